@@ -1,0 +1,47 @@
+# Two commands on a fresh machine: `make run` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+TORCH  := torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: help venv install run test lint typecheck pytest bench clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+# NOTE: torch goes in first and pinned, so nothing later can make pip resolve a
+# CUDA build; the wheel for this pin lies on the build machines' disk.
+$(STAMP): $(PY) pyproject.toml
+	$(PIP) install --quiet "$(TORCH)"
+	$(PIP) install --quiet -e ".[replica,dev]"
+	touch $(STAMP)
+
+venv install: $(STAMP)  ## create .venv and install everything
+
+run: $(STAMP)  ## set up, then run the demo
+	$(VENV)/bin/cachepoint demo
+
+lint: $(STAMP)  ## ruff lint + format check
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)  ## mypy --strict on kvcore
+	$(VENV)/bin/mypy --strict services/kvcore
+
+pytest: $(STAMP)  ## the whole pytest suite (slow tests included)
+	$(PY) -m pytest
+
+test: lint typecheck pytest  ## set up, then lint, typecheck and run every test
+
+bench: $(STAMP)  ## run the benchmarks (never part of `make test`)
+	$(PY) bench/kvcore_bench.py
+
+clean:  ## remove the venv and caches
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,46 @@
+"""The `cachepoint` command: one entry point, one subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cachepoint",
+        description=(
+            "Cachepoint: prefix KV caching as a managed API contract "
+            "(TTL retention, scope, billing, cache-aware routing)."
+        ),
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    demo = sub.add_parser(
+        "demo",
+        help="walk through the KV block core: hits, TTL retention, eviction, scope",
+        description=(
+            "Runs kvcore on a small in-memory pool with a simulated clock and prints "
+            "what the cache does at each step. Needs no network, GPU or cluster."
+        ),
+    )
+    demo.add_argument("--blocks", type=int, default=64, help="pool size in blocks (default 64)")
+    demo.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from .kvcore_demo import run_demo
+
+        if args.blocks < 8 or args.block_size < 1:
+            parser.error("--blocks must be at least 8 and --block-size at least 1")
+        return run_demo(num_blocks=args.blocks, block_size=args.block_size)
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The torch engine: a Llama-style model over a paged KV pool."""

@@ -1,0 +1,68 @@
+"""kvcore: chained block hashing, the block pool, TTL retention and the prefix index.
+
+Pure Python with no I/O, shared by the replica scheduler and the gateway's router.
+It imports nothing else of Cachepoint's.
+"""
+
+from .allocation import Allocation, AllocationError, AllocationState
+from .block import KVBlock
+from .clock import Clock, ManualClock, monotonic_clock
+from .entries import CacheEntry
+from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from .free_queue import FreeBlockQueue
+from .hashing import (
+    ROOT_HASH,
+    BlockHash,
+    EntryKey,
+    ExtraKeys,
+    KeySpan,
+    encode_tokens,
+    entry_key,
+    entry_key_at,
+    hash_block,
+    hash_blocks,
+)
+from .manager import MAX_LOOKBACK, CacheStats, EntryHit, EntryWrite, KVCacheManager, PrefixMatch
+from .pool import BlockCounts, BlockPool, PoolExhaustedError
+from .prefix_index import PrefixIndex
+from .retention import TTL_1H, TTL_5M, TTL_SECONDS, RetainResult
+
+__all__ = [
+    "MAX_LOOKBACK",
+    "ROOT_HASH",
+    "TTL_1H",
+    "TTL_5M",
+    "TTL_SECONDS",
+    "AllBlocksCleared",
+    "Allocation",
+    "AllocationError",
+    "AllocationState",
+    "BlockCounts",
+    "BlockHash",
+    "BlockPool",
+    "BlockRemoved",
+    "BlockStored",
+    "CacheEntry",
+    "CacheStats",
+    "Clock",
+    "EntryHit",
+    "EntryKey",
+    "EntryWrite",
+    "ExtraKeys",
+    "FreeBlockQueue",
+    "KVBlock",
+    "KVCacheManager",
+    "KVEvent",
+    "KeySpan",
+    "ManualClock",
+    "PoolExhaustedError",
+    "PrefixIndex",
+    "PrefixMatch",
+    "RetainResult",
+    "encode_tokens",
+    "entry_key",
+    "entry_key_at",
+    "hash_block",
+    "hash_blocks",
+    "monotonic_clock",
+]

@@ -1,0 +1,148 @@
+"""One request's blocks as a transaction: hit + allocate, then commit or abort."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from .block import KVBlock
+from .hashing import BlockHash
+
+if TYPE_CHECKING:
+    from .pool import BlockPool
+
+
+class AllocationState(enum.Enum):
+    PENDING = "pending"  # blocks held, nothing published: the forward pass is running
+    COMMITTED = "committed"  # the forward pass succeeded; its full blocks are published
+    ABORTED = "aborted"  # failed or cancelled; every block returned, nothing published
+    FREED = "freed"  # finished after commit; every block returned
+
+
+class AllocationError(RuntimeError):
+    """An Allocation was driven out of order (e.g. commit after abort)."""
+
+
+class Allocation:
+    """The block table of one sequence and the state of its cache transaction.
+
+    Write-then-publish: the blocks this request fills enter the hash index only in
+    `commit()`, after the forward pass that filled them succeeded. Until then no
+    other request can hit them and no `stored` event exists, so a failed forward
+    leaves nothing visible behind (DESIGN §3).
+    """
+
+    __slots__ = (
+        "_num_published",
+        "_pool",
+        "block_hashes",
+        "blocks",
+        "num_hit_blocks",
+        "num_tokens",
+        "state",
+    )
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        blocks: list[KVBlock],
+        num_hit_blocks: int,
+        block_hashes: Sequence[BlockHash],
+        num_tokens: int,
+    ) -> None:
+        self._pool = pool
+        self.blocks = blocks  # the block table: hit blocks first, then new ones
+        self.num_hit_blocks = num_hit_blocks  # leading blocks taken from the cache
+        self.block_hashes = list(block_hashes)  # chain hashes of the full blocks known so far
+        self.num_tokens = num_tokens  # token slots this table covers
+        self.state = AllocationState.PENDING
+        self._num_published = num_hit_blocks  # leading blocks already in the index
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens whose KV is already in the pool; prefill starts here."""
+        return self.num_hit_blocks * self._pool.block_size
+
+    @property
+    def new_blocks(self) -> list[KVBlock]:
+        return self.blocks[self.num_hit_blocks :]
+
+    # ------------------------------------------------------------ transitions
+
+    def grow(self, num_tokens: int) -> list[KVBlock]:
+        """Make room for ``num_tokens`` in total (decode appends); returns new blocks."""
+        self._require(AllocationState.PENDING, AllocationState.COMMITTED)
+        need = -(-num_tokens // self._pool.block_size) - len(self.blocks)
+        added = self._pool.allocate(need) if need > 0 else []
+        self.blocks.extend(added)
+        self.num_tokens = max(self.num_tokens, num_tokens)
+        return added
+
+    def commit(self, block_hashes: Sequence[BlockHash] | None = None) -> int:
+        """Publish every full block whose hash is known; returns how many entered the index.
+
+        ``block_hashes`` may extend the chain given at allocation (e.g. with full
+        blocks that decode produced). Calling it again after more decode publishes
+        the new blocks only.
+        """
+        self._require(AllocationState.PENDING, AllocationState.COMMITTED)
+        if block_hashes is not None:
+            if list(block_hashes[: len(self.block_hashes)]) != self.block_hashes:
+                raise AllocationError("commit hashes must extend the allocation's chain")
+            self.block_hashes = list(block_hashes)
+        upto = min(len(self.block_hashes), len(self.blocks))
+        start = self._num_published
+        stored = 0
+        if upto > start:
+            parent = self.block_hashes[start - 1] if start else None
+            stored = self._pool.publish(
+                self.blocks[start:upto], self.block_hashes[start:upto], parent
+            )
+            self._num_published = upto
+        self.state = AllocationState.COMMITTED
+        return stored
+
+    def abort(self) -> None:
+        """Return every block and publish nothing. Refcounts end where they began."""
+        self._require(AllocationState.PENDING)
+        self.state = AllocationState.ABORTED
+        self._pool.free(reversed(self.blocks))
+        self.blocks = []
+
+    def free(self) -> None:
+        """The request finished: drop our references, chain tail first."""
+        self._require(AllocationState.COMMITTED)
+        self.state = AllocationState.FREED
+        self._pool.free(reversed(self.blocks))
+        self.blocks = []
+
+    def close(self) -> None:
+        """Abort if pending, free if committed, nothing if already done. Idempotent."""
+        if self.state is AllocationState.PENDING:
+            self.abort()
+        elif self.state is AllocationState.COMMITTED:
+            self.free()
+
+    def __enter__(self) -> Allocation:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _require(self, *states: AllocationState) -> None:
+        if self.state not in states:
+            allowed = " or ".join(s.value for s in states)
+            raise AllocationError(f"allocation is {self.state.value}, expected {allowed}")

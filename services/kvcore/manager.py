@@ -1,0 +1,197 @@
+"""KVCacheManager: the small façade the scheduler drives.
+
+It decides *what* to hit and publish and keeps the managed entries; `BlockPool`
+does the mechanics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .allocation import Allocation
+from .block import KVBlock
+from .entries import CacheEntry, EntryTable
+from .events import KVEvent
+from .hashing import BlockHash, EntryKey
+from .pool import BlockCounts, BlockPool, PoolExhaustedError
+
+MAX_LOOKBACK = 20
+"""Content-block boundaries a breakpoint checks backwards, itself included."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """Longest cached prefix of a prompt, without taking references."""
+
+    num_blocks: int  # leading full blocks present in the index
+    num_tokens: int  # num_blocks * block_size
+
+
+@dataclass(frozen=True, slots=True)
+class EntryHit:
+    """A live managed entry found for a breakpoint."""
+
+    key: EntryKey  # the entry's key
+    num_tokens: int  # prefix length it covers: the billed cache-read position
+    ttl: float  # its TTL in seconds
+    expires_at: float  # new expiry after the refresh this hit caused
+    lookback: int  # boundaries back from the breakpoint; 0 = the breakpoint itself
+
+
+@dataclass(frozen=True, slots=True)
+class EntryWrite:
+    """Outcome of writing an entry at a breakpoint."""
+
+    written: bool  # False: retention was refused, so this is billed as plain input
+    num_tokens: int  # prefix length asked for
+    ttl: float  # TTL asked for
+    expires_at: float | None  # None when not written
+    refused_reason: str | None = None  # why not, for the client-facing report
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """Everything `/v1/stats` and the metrics report about the pool."""
+
+    blocks: BlockCounts  # block states
+    entries: int  # live managed entries
+    query_tokens: int  # prompt tokens looked up, ever
+    hit_tokens: int  # of those, served from cached blocks
+    evictions: int  # cached blocks evicted by LRU pressure
+    retain_refusals: int  # retains refused by the share cap
+
+
+class KVCacheManager:
+    """Prefix hits, allocation transactions and TTL entries over one `BlockPool`."""
+
+    def __init__(self, pool: BlockPool, *, max_lookback: int = MAX_LOOKBACK) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.max_lookback = max_lookback
+        self.entries = EntryTable()
+        self.query_tokens = 0
+        self.hit_tokens = 0
+
+    # ---------------------------------------------------------------- prefix
+
+    def match(self, block_hashes: Sequence[BlockHash], num_tokens: int) -> PrefixMatch:
+        """Longest usable cached prefix; never the block holding the last token.
+
+        NOTE: the last prompt token must go through the model to produce the logits
+        of the first output token, so a fully cached prompt still recomputes its
+        last block.
+        """
+        usable = min(len(block_hashes), max(num_tokens - 1, 0) // self.block_size)
+        n = len(self.pool.match_prefix(block_hashes, usable))
+        return PrefixMatch(num_blocks=n, num_tokens=n * self.block_size)
+
+    def allocate(self, block_hashes: Sequence[BlockHash], num_tokens: int) -> Allocation:
+        """Hit the longest cached prefix and allocate blocks for the rest.
+
+        Raises `PoolExhaustedError` with the pool untouched when it cannot fit.
+        """
+        if num_tokens <= 0:
+            raise ValueError("num_tokens must be positive")
+        if len(block_hashes) > num_tokens // self.block_size:
+            raise ValueError("more block hashes than full blocks in num_tokens")
+        pool = self.pool
+        usable = min(len(block_hashes), (num_tokens - 1) // self.block_size)
+        hits = pool.match_prefix(block_hashes, usable)
+        # NOTE: take refs on the hits first, so our own allocation cannot evict them.
+        pool.touch(hits)
+        need = -(-num_tokens // self.block_size) - len(hits)
+        try:
+            new = pool.allocate(need)
+        except PoolExhaustedError:
+            pool.free(reversed(hits))
+            raise
+        self.query_tokens += num_tokens
+        self.hit_tokens += len(hits) * self.block_size
+        return Allocation(pool, hits + new, len(hits), block_hashes, num_tokens)
+
+    # --------------------------------------------------------------- entries
+
+    def lookup_entry(self, candidates: Sequence[EntryKey]) -> EntryHit | None:
+        """First live entry among ``candidates`` (breakpoint first, then backwards).
+
+        The candidates are the entry keys at the breakpoint and at the content-block
+        boundaries before it; only the first `max_lookback` are checked. A hit
+        refreshes the entry and its blocks' retention.
+        """
+        now = self.pool.clock()
+        self.entries.expire(now)
+        for lookback, key in enumerate(candidates[: self.max_lookback]):
+            entry = self.entries.get_live(key, now)
+            if entry is None:
+                continue
+            blocks = self._resident(entry.block_hashes)
+            if blocks is None:
+                self.entries.drop(entry)  # its blocks were cleared under it
+                continue
+            self.pool.retain(blocks, entry.ttl)
+            self.entries.extend(entry, now + entry.ttl)
+            return EntryHit(entry.key, entry.num_tokens, entry.ttl, entry.expires_at, lookback)
+        return None
+
+    def write_entry(
+        self,
+        key: EntryKey,
+        num_tokens: int,
+        block_hashes: Sequence[BlockHash],
+        ttl: float,
+    ) -> EntryWrite:
+        """Write (or extend) the entry for a breakpoint and retain its full blocks.
+
+        ``block_hashes`` are the prompt's chain hashes; the entry covers the first
+        ``num_tokens // block_size`` of them, which must be published already.
+        """
+        full = num_tokens // self.block_size
+        if full > len(block_hashes):
+            raise ValueError("block_hashes do not cover num_tokens")
+        covered = tuple(block_hashes[:full])
+        blocks = self._resident(covered)
+        if blocks is None:
+            return EntryWrite(False, num_tokens, ttl, None, "prefix blocks are not resident")
+        result = self.pool.retain(blocks, ttl)
+        if not result.ok:
+            return EntryWrite(False, num_tokens, ttl, None, result.reason)
+        now = self.pool.clock()
+        entry = self.entries.get_live(key, now)
+        if entry is None:
+            entry = CacheEntry(key, num_tokens, covered, ttl, now + ttl)
+            self.entries.put(entry)
+        else:
+            entry.ttl = max(entry.ttl, ttl)
+            self.entries.extend(entry, now + entry.ttl)
+        return EntryWrite(True, num_tokens, ttl, entry.expires_at)
+
+    def _resident(self, block_hashes: Sequence[BlockHash]) -> list[KVBlock] | None:
+        blocks: list[KVBlock] = []
+        for h in block_hashes:
+            block = self.pool.get_cached(h)
+            if block is None:
+                return None
+            blocks.append(block)
+        return blocks
+
+    # ----------------------------------------------------------------- misc
+
+    def clear(self) -> None:
+        """Drop every cached block and entry (a restart starts a new epoch with this)."""
+        self.pool.clear()
+        self.entries.clear()
+
+    def take_events(self) -> list[KVEvent]:
+        return self.pool.take_events()
+
+    def stats(self) -> CacheStats:
+        self.entries.expire(self.pool.clock())
+        return CacheStats(
+            blocks=self.pool.counts(),
+            entries=len(self.entries),
+            query_tokens=self.query_tokens,
+            hit_tokens=self.hit_tokens,
+            evictions=self.pool.num_evictions,
+            retain_refusals=self.pool.num_retain_refusals,
+        )

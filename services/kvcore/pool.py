@@ -1,0 +1,322 @@
+"""BlockPool: the mechanics of a replica's KV blocks (states, LRU, index, TTL, events).
+
+Policy (which prefix to hit, what to publish, when to write an entry) lives in
+`KVCacheManager`; this class only moves blocks between states and keeps its
+counters exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from .block import KVBlock
+from .clock import Clock, monotonic_clock
+from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from .free_queue import FreeBlockQueue
+from .hashing import BlockHash
+from .retention import DeadlineHeap, RetainResult
+
+
+class PoolExhaustedError(RuntimeError):
+    """Not enough free blocks: every block is active or retained."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCounts:
+    """A consistent snapshot of block states; active + cached_free + empty == total."""
+
+    total: int  # blocks in the pool
+    active: int  # ref_cnt > 0
+    cached_free: int  # ref_cnt == 0, in the hash index (hittable, evictable unless retained)
+    empty: int  # ref_cnt == 0, not in the index
+    retained: int  # TTL-retained right now, whether active or cached-free (overlaps the above)
+    max_retained: int  # cap on `retained` from the configured share
+
+
+class BlockPool:
+    """Fixed set of `KVBlock`s.
+
+    Invariants, checked by `check_invariants` in tests:
+      - an active block is never in the free queue;
+      - an empty block is always in the free queue;
+      - a cached-free block is in the free queue iff it is not retained ("parked"
+        otherwise), so LRU eviction can never take a retained block;
+      - ``cached[h].block_hash == h`` for every indexed hash.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        retained_share: float = 0.5,
+        clock: Clock = monotonic_clock,
+    ) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        if not 0.0 <= retained_share <= 1.0:
+            raise ValueError("retained_share must be within [0, 1]")
+        self.block_size = block_size
+        self.clock = clock
+        self.blocks = [KVBlock(block_id=i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockHash, KVBlock] = {}  # the hash index
+        self.max_retained = int(retained_share * num_blocks)
+        self.num_evictions = 0  # cached blocks evicted by LRU pressure, ever
+        self.num_retain_refusals = 0  # retain calls refused by the share cap, ever
+        self._events: list[KVEvent] = []
+        self._retain_deadlines: DeadlineHeap[KVBlock] = DeadlineHeap()
+        self._num_active = 0
+        self._num_cached_free = 0
+        self._num_retained = 0
+
+    # ---------------------------------------------------------------- lookup
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def get_cached(self, block_hash: BlockHash) -> KVBlock | None:
+        return self.cached.get(block_hash)
+
+    def match_prefix(self, block_hashes: Sequence[BlockHash], max_blocks: int) -> list[KVBlock]:
+        """Cached blocks for the longest leading run of ``block_hashes`` (at most max_blocks)."""
+        hits: list[KVBlock] = []
+        cached = self.cached
+        for h in block_hashes[:max_blocks]:
+            block = cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    # ----------------------------------------------------------- ref counting
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on hit blocks, pulling cached-free ones out of the LRU queue."""
+        queue = self.free_queue
+        for block in blocks:
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    raise ValueError(f"block {block.block_id} is empty; only cached blocks are hit")
+                if block.prev_free is not None:
+                    queue.remove(block)
+                self._num_cached_free -= 1
+                self._num_active += 1
+            block.ref_cnt += 1
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """Take ``n`` blocks off the LRU head, evicting cached-free ones as needed."""
+        if n <= 0:
+            return []
+        self.expire()
+        if n > len(self.free_queue):
+            raise PoolExhaustedError(
+                f"need {n} free blocks, have {len(self.free_queue)} "
+                f"({self._num_active} active, {self._num_retained} retained)"
+            )
+        out = self.free_queue.popleft_n(n)
+        evicted: list[BlockHash] = []
+        for block in out:
+            h = block.block_hash
+            if h is not None:
+                # NOTE: eviction only forgets host metadata; the device memory is
+                # simply overwritten by the next prefill, never zeroed.
+                del self.cached[h]
+                block.block_hash = None
+                evicted.append(h)
+                self._num_cached_free -= 1
+            block.ref_cnt = 1
+        self._num_active += n
+        if evicted:
+            self.num_evictions += len(evicted)
+            self._events.append(BlockRemoved(tuple(evicted)))
+        return out
+
+    def free(self, ordered_blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference from each block, in the order given.
+
+        Callers pass a request's blocks in reverse, so a chain's tail reaches the
+        queue first and is evicted before the prefix that other requests share.
+        """
+        queue = self.free_queue
+        self.expire()
+        for block in ordered_blocks:
+            if block.ref_cnt <= 0:
+                raise ValueError(f"block {block.block_id} freed more often than taken")
+            block.ref_cnt -= 1
+            if block.ref_cnt:
+                continue
+            self._num_active -= 1
+            if block.block_hash is None:
+                # NOTE: empty blocks go to the head so allocation reuses them before
+                # it has to evict anything that could still be hit.
+                queue.appendleft(block)
+            else:
+                self._num_cached_free += 1
+                if block.retained_until == 0.0:
+                    queue.append(block)
+
+    # ------------------------------------------------------------- publishing
+
+    def publish(
+        self,
+        blocks: Sequence[KVBlock],
+        block_hashes: Sequence[BlockHash],
+        parent_hash: BlockHash | None,
+    ) -> int:
+        """Enter freshly filled blocks into the index; emit `stored` per contiguous run.
+
+        A hash that is already indexed (another request filled the same prefix
+        concurrently) is skipped: that block stays unindexed and is reused as empty
+        once freed. Returns how many blocks were entered.
+        """
+        if len(blocks) != len(block_hashes):
+            raise ValueError("one hash per block")
+        cached = self.cached
+        run: list[BlockHash] = []
+        run_parent = parent_hash
+        stored = 0
+        prev = parent_hash
+        for block, h in zip(blocks, block_hashes, strict=True):
+            if block.ref_cnt <= 0:
+                raise ValueError(f"block {block.block_id} is not held; publish before free")
+            if block.block_hash is None and h not in cached:
+                block.block_hash = h
+                cached[h] = block
+                if not run:
+                    run_parent = prev
+                run.append(h)
+                stored += 1
+            elif run:
+                self._events.append(BlockStored(tuple(run), run_parent))
+                run = []
+            prev = h
+        if run:
+            self._events.append(BlockStored(tuple(run), run_parent))
+        return stored
+
+    # -------------------------------------------------------------- retention
+
+    def retain(self, blocks: Sequence[KVBlock], ttl: float) -> RetainResult:
+        """Retain indexed blocks until ``now + ttl``; never shortens a longer retention.
+
+        All or nothing: a retain that would push the retained count past the cap is
+        refused whole and changes nothing.
+        """
+        if ttl <= 0:
+            raise ValueError("ttl must be positive")
+        now = self.clock()
+        self.expire(now)
+        deadline = now + ttl
+        fresh: dict[int, KVBlock] = {}
+        for block in blocks:
+            if block.block_hash is None:
+                raise ValueError(f"block {block.block_id} is not indexed; it cannot be retained")
+            if block.retained_until == 0.0:
+                fresh[block.block_id] = block
+        if self._num_retained + len(fresh) > self.max_retained:
+            self.num_retain_refusals += 1
+            return RetainResult.refused(
+                f"retained share cap: {self._num_retained} of {self.max_retained} blocks "
+                f"retained, {len(fresh)} more requested",
+                deadline,
+            )
+        queue = self.free_queue
+        for block in blocks:
+            if deadline <= block.retained_until:
+                continue
+            block.retained_until = deadline
+            self._retain_deadlines.push(deadline, block)
+            if block.prev_free is not None:
+                queue.remove(block)  # parked: out of LRU reach until it expires
+        self._num_retained += len(fresh)
+        return RetainResult(ok=True, newly_retained=len(fresh), retained_until=deadline)
+
+    def expire(self, now: float | None = None) -> int:
+        """Release retentions that are due; returns how many blocks were released."""
+        if now is None:
+            now = self.clock()
+        released = 0
+        queue = self.free_queue
+        for deadline, block in self._retain_deadlines.pop_due(now):
+            if block.retained_until != deadline:
+                continue  # stale: refreshed to a later deadline since, or cleared
+            block.retained_until = 0.0
+            released += 1
+            if block.ref_cnt == 0 and block.block_hash is not None and block.prev_free is None:
+                # NOTE: its last use was at least a TTL ago, older than anything the
+                # LRU queue holds, so it goes to the head and is evicted first.
+                queue.appendleft(block)
+        self._num_retained -= released
+        return released
+
+    # ------------------------------------------------------------------ reset
+
+    def clear(self) -> None:
+        """Forget every cached block and retention (restart / reset). Emits `cleared`.
+
+        Active blocks keep their references but lose their hash, so they return as
+        empty when their requests finish.
+        """
+        queue = self.free_queue
+        for block in self.cached.values():
+            block.block_hash = None
+            if block.ref_cnt == 0 and block.prev_free is None:
+                queue.appendleft(block)  # was parked by retention
+        for block in self.blocks:
+            block.retained_until = 0.0
+        self.cached.clear()
+        self._retain_deadlines.clear()
+        self._num_cached_free = 0
+        self._num_retained = 0
+        self._events.append(AllBlocksCleared())
+
+    # ---------------------------------------------------------- observability
+
+    def take_events(self) -> list[KVEvent]:
+        """Drain queued events, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    def counts(self) -> BlockCounts:
+        self.expire()
+        return BlockCounts(
+            total=self.num_blocks,
+            active=self._num_active,
+            cached_free=self._num_cached_free,
+            empty=self.num_blocks - self._num_active - self._num_cached_free,
+            retained=self._num_retained,
+            max_retained=self.max_retained,
+        )
+
+    def check_invariants(self) -> None:
+        """O(n) audit of every invariant; for tests and debugging, never the hot path.
+
+        Retention is lazy: a block counts as retained until `expire()` releases it.
+        """
+        in_queue = {b.block_id for b in self.free_queue}
+        assert len(in_queue) == len(self.free_queue), "free queue length drifted"
+        active = cached_free = retained = 0
+        for block in self.blocks:
+            assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
+            queued = block.block_id in in_queue
+            if block.retained_until > 0.0:
+                retained += 1
+            if block.ref_cnt > 0:
+                active += 1
+                assert not queued, f"active block {block.block_id} is in the free queue"
+            elif block.block_hash is None:
+                assert queued, f"empty block {block.block_id} is not in the free queue"
+            else:
+                cached_free += 1
+                parked = block.retained_until > 0.0
+                assert queued != parked, f"cached-free block {block.block_id} queued={queued}"
+            if block.block_hash is not None:
+                assert self.cached.get(block.block_hash) is block, "index points elsewhere"
+        assert len(self.cached) == sum(b.block_hash is not None for b in self.blocks)
+        assert active == self._num_active, "active counter drifted"
+        assert cached_free == self._num_cached_free, "cached-free counter drifted"
+        assert retained == self._num_retained, "retained counter drifted"
+        assert retained <= self.max_retained, "retained share cap exceeded"
