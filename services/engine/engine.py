@@ -1,0 +1,230 @@
+"""The engine the scheduler drives: batched prefill-with-reuse and decode over block ids.
+
+The engine does not own block allocation: the scheduler (through kvcore's
+``BlockPool``) hands it block tables of ids ``0..num_blocks-1``, and the engine reads
+and writes exactly the slots those tables name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+import torch
+
+from .batch import DecodeRequest, PrefillRequest, StepOutput
+from .config import EngineConfig, ModelConfig
+from .device import resolve_device
+from .generate import Allocator, GenerationRequest, GenerationResult, generate
+from .model import LayerHook
+from .runner import ModelRunner
+from .tokenizer import Tokenizer, load_tokenizer
+from .tp import StepPlan, TPWorkers, broadcast_plan, driver_layer_hook, init_group
+from .weights import read_hf_config
+
+
+class Engine:
+    """A replica's model and KV pool (rank 0 of its TP group when ``tensor_parallel_size > 1``).
+
+    Build it from a config (random weights from ``seed``) or a HF checkpoint folder::
+
+        engine = Engine(ModelConfig.tiny(), EngineConfig(kv_cache_bytes=64 << 20))
+        engine = Engine(config=EngineConfig(), model_dir=Path("/models/llama"))
+
+    With ``tensor_parallel_size > 1`` the constructor spawns the other ranks and
+    :meth:`close` (or leaving a ``with`` block) stops them.
+
+    ``fault_hook``, when set, is called with each layer index before that layer runs,
+    in every forward; whatever it raises propagates out of :meth:`step`.
+
+    NOTE: not thread-safe: one driver thread calls :meth:`step` at a time (the
+    scheduler's engine loop), which is also what keeps TP ranks in lockstep.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig | None = None,
+        config: EngineConfig | None = None,
+        *,
+        model_dir: Path | str | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        folder = None if model_dir is None else Path(model_dir)
+        if model_config is None:
+            model_config = ModelConfig.tiny() if folder is None else read_hf_config(folder)
+        self.model_config = model_config
+        self.model_dir = folder  # None for a random-weight model
+        self.tokenizer: Tokenizer = load_tokenizer(folder)
+        if self.tokenizer.vocab_size > model_config.vocab_size:
+            raise ValueError(
+                f"tokenizer has {self.tokenizer.vocab_size} ids but the model only "
+                f"{model_config.vocab_size} embeddings"
+            )
+        self.fault_hook: LayerHook | None = None  # see the class docstring
+        self._workers: TPWorkers | None = None
+        self._threads_before: int | None = None
+        if config.tensor_parallel_size == 1:
+            self.runner = ModelRunner(model_config, config, model_dir=folder, seed=seed)
+        else:
+            self.runner = self._start_tp(model_config, config, folder, seed)
+
+    def _start_tp(
+        self, model_config: ModelConfig, config: EngineConfig, folder: Path | None, seed: int
+    ) -> ModelRunner:
+        world = config.tensor_parallel_size
+        device = resolve_device(config.device, 0)
+        self._workers = TPWorkers.spawn(model_config, config, folder, seed)
+        if device.type == "cpu":
+            # NOTE: the workers take their share of the cores; so does this process
+            # while it is rank 0 (restored by close()).
+            self._threads_before = torch.get_num_threads()
+            torch.set_num_threads(max(1, self._threads_before // world))
+        try:
+            init_group(0, world, self._workers.port, device, config.dist_timeout_s)
+            return ModelRunner(model_config, config, model_dir=folder, seed=seed, tp_rank=0)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- facts the scheduler sizes kvcore's BlockPool from --------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        """Block ids are ``0..num_blocks-1`` (the same on every TP rank)."""
+        return self.runner.pool.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.runner.pool.block_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.runner.dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def eos_id(self) -> int | None:
+        eos = self.tokenizer.eos_id
+        return self.model_config.eos_token_id if eos is None else eos
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        """KV bytes held on this rank."""
+        return self.runner.pool.nbytes
+
+    # -- steps -----------------------------------------------------------------------
+
+    def _check_table(self, table: Sequence[int], num_tokens: int, what: str) -> None:
+        need = math.ceil(num_tokens / self.block_size)
+        if len(table) < need:
+            raise ValueError(f"{what}: block table has {len(table)} blocks, {need} needed")
+        for b in table[:need]:
+            if not 0 <= b < self.num_blocks:
+                raise ValueError(f"{what}: block id {b} outside 0..{self.num_blocks - 1}")
+
+    def _check_tokens(self, ids: Sequence[int], what: str) -> None:
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            raise ValueError(f"{what}: token ids must be in 0..{self.vocab_size - 1}")
+
+    def validate(
+        self, prefills: Sequence[PrefillRequest], decodes: Sequence[DecodeRequest]
+    ) -> None:
+        """Raise ``ValueError`` for a request the forward pass could not run."""
+        if not prefills and not decodes:
+            raise ValueError("a step needs at least one prefill or decode")
+        for i, p in enumerate(prefills):
+            what, n = f"prefill {i}", len(p.token_ids)
+            if not 0 <= p.num_cached_tokens < n:
+                raise ValueError(
+                    f"{what}: num_cached_tokens {p.num_cached_tokens} must be in 0..{n - 1} "
+                    "(the last token is always computed, for its logits)"
+                )
+            if n > self.max_model_len:
+                raise ValueError(f"{what}: {n} tokens exceed max_model_len {self.max_model_len}")
+            self._check_tokens(p.token_ids, what)
+            self._check_table(p.block_table, n, what)
+        for i, d in enumerate(decodes):
+            what = f"decode {i}"
+            if not 0 <= d.position < self.max_model_len:
+                raise ValueError(f"{what}: position {d.position} outside the model's context")
+            self._check_tokens([d.token_id], what)
+            self._check_table(d.block_table, d.position + 1, what)
+
+    def step(
+        self,
+        prefills: Sequence[PrefillRequest] = (),
+        decodes: Sequence[DecodeRequest] = (),
+        *,
+        all_logits: bool = False,
+    ) -> StepOutput:
+        """One forward over prefills and decodes together (continuous batching).
+
+        Each prefill computes positions ``num_cached_tokens..N-1`` against the K/V of
+        ``0..num_cached_tokens-1`` read from its blocks, and writes the new K/V into its
+        blocks; each decode writes and attends the same way for one token. Logits come
+        back for each prefill's last token and each decode (and, with ``all_logits``,
+        for every computed prefill token).
+        """
+        prefills, decodes = list(prefills), list(decodes)
+        self.validate(prefills, decodes)
+        hook = self.fault_hook
+        if self._workers is not None:
+            broadcast_plan(
+                StepPlan(prefills=prefills, decodes=decodes, check_faults=hook is not None),
+                self.device,
+            )
+            if hook is not None:
+                hook = driver_layer_hook(hook, self.device)
+        out = self.runner.execute(prefills, decodes, all_logits=all_logits, layer_hook=hook)
+        assert out is not None, "rank 0 always returns logits"
+        return out
+
+    def prefill(self, batch: Sequence[PrefillRequest], *, all_logits: bool = False) -> StepOutput:
+        """A step of prefills only."""
+        return self.step(batch, (), all_logits=all_logits)
+
+    def decode(self, batch: Sequence[DecodeRequest]) -> torch.Tensor:
+        """A step of decodes only; ``[batch, vocab]`` float32 logits."""
+        return self.step((), batch).decode_logits
+
+    def generate(
+        self, requests: Sequence[GenerationRequest], allocate: Allocator
+    ) -> list[GenerationResult]:
+        """Prefill then decode to completion (a convenience for tests and benchmarks)."""
+        return generate(self, requests, allocate)
+
+    # -- lifetime --------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the TP workers (if any). A single-rank engine needs no closing."""
+        if self._workers is not None:
+            self._workers.stop()
+            self._workers = None
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,219 @@
+"""A Llama-architecture decoder whose attention reads and writes the paged KV pool.
+
+Module and parameter names follow Hugging Face's ``LlamaForCausalLM`` exactly, so a
+checkpoint's tensors load by name. Under tensor parallelism each rank builds the same
+module tree with its own shard sizes: q/k/v/gate/up hold a slice of the output rows
+(column parallel), o/down a slice of the input columns (row parallel, followed by an
+all-reduce); embeddings, norms and lm_head are replicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .attention import AttentionMetadata, paged_attention
+from .config import ModelConfig
+from .kv_pool import KVPool
+from .rotary import Rotary, apply_rotary
+from .weights import RandomWeights, WeightSource
+
+LayerHook = Callable[[int], None]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # NOTE: normalise in float32 like HF does; bf16 variance loses too much.
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, tp_size: int) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads // tp_size
+        self.num_kv_heads = config.num_kv_heads // tp_size
+        self.head_dim = d = config.head_dim
+        self.tp_size = tp_size
+        h = config.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+
+    def forward(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        pool: KVPool,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        attn = paged_attention(layer, q, k, v, pool, meta)
+        out: torch.Tensor = self.o_proj(attn.reshape(t, self.num_heads * self.head_dim))
+        if self.tp_size > 1:
+            dist.all_reduce(out)
+        return out
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, tp_size: int) -> None:
+        super().__init__()
+        h, inner = config.hidden_size, config.intermediate_size // tp_size
+        self.tp_size = tp_size
+        self.gate_proj = nn.Linear(h, inner, bias=False)
+        self.up_proj = nn.Linear(h, inner, bias=False)
+        self.down_proj = nn.Linear(inner, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = nn.functional.silu(self.gate_proj(x))
+        out: torch.Tensor = self.down_proj(gate * self.up_proj(x))
+        if self.tp_size > 1:
+            dist.all_reduce(out)
+        return out
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, tp_size: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, tp_size)
+        self.mlp = LlamaMLP(config, tp_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        pool: KVPool,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(layer, self.input_layernorm(x), cos, sin, pool, meta)
+        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, tp_size: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, tp_size) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus its output head; call :meth:`hidden` then :meth:`logits`."""
+
+    def __init__(self, config: ModelConfig, tp_size: int = 1) -> None:
+        super().__init__()
+        if config.num_kv_heads % tp_size or config.intermediate_size % tp_size:
+            raise ValueError(
+                f"tensor_parallel_size {tp_size} must divide num_kv_heads "
+                f"({config.num_kv_heads}) and intermediate_size ({config.intermediate_size})"
+            )
+        self.config = config
+        self.tp_size = tp_size
+        self.model = LlamaModel(config, tp_size)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.rotary: Rotary | None = None
+
+    def finish_init(self, device: torch.device) -> None:
+        """Build the non-parameter state (rotary frequencies) on ``device``."""
+        c = self.config
+        self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling, device)
+
+    def hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        pool: KVPool,
+        meta: AttentionMetadata,
+        layer_hook: LayerHook | None = None,
+    ) -> torch.Tensor:
+        """Final-normed hidden states ``[tokens, hidden]`` of a packed batch.
+
+        ``layer_hook(i)`` runs before layer ``i``; whatever it raises aborts the forward
+        (the pool may then hold partial K/V in the step's slots, which is harmless:
+        the scheduler never publishes blocks of a failed step).
+        """
+        assert self.rotary is not None, "finish_init() was not called"
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            if layer_hook is not None:
+                layer_hook(i)
+            x = layer(i, x, cos, sin, pool, meta)
+        out: torch.Tensor = self.model.norm(x)
+        return out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 ``[rows, vocab]`` logits of final hidden states."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return nn.functional.linear(hidden, weight).to(torch.float32)
+
+
+def build_model(
+    config: ModelConfig,
+    source: WeightSource | int = 0,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> LlamaForCausalLM:
+    """Build rank ``tp_rank``'s shard of the model with weights from ``source``.
+
+    ``source`` is a :class:`WeightSource`, or an int: the seed of random weights.
+    Raises ``KeyError`` for a weight the source lacks and ``ValueError`` for a shape
+    that does not match the config.
+    """
+    if isinstance(source, int):
+        source = RandomWeights(config, source)
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, tp_size)
+    model.to_empty(device=device)
+    model.to(dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            tensor = source.get(name, tp_rank, tp_size)
+            if tensor is None:
+                raise KeyError(f"weight {name!r} missing from the checkpoint")
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(param.shape)} for this config and tp rank"
+                )
+            param.copy_(tensor.to(device=device, dtype=dtype))
+    model.finish_init(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes held by the model's parameters on its device."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
