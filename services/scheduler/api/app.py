@@ -1,0 +1,90 @@
+"""Builds the replica's FastAPI app around one engine and one scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI
+
+from cachepoint.engine import Engine, EngineConfig
+
+from ..bus import NatsBus
+from ..metrics import ReplicaMetrics
+from ..scheduler import EventSink, Scheduler
+from ..settings import ReplicaSettings
+from .errors import install_error_handlers
+from .routes import generate, health, stats
+
+
+def build_engine(settings: ReplicaSettings) -> Engine:
+    config = EngineConfig(
+        block_size=settings.block_size,
+        device=settings.device,
+        dtype=settings.dtype,
+        kv_cache_bytes=settings.kv_cache_bytes,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        max_model_len=settings.max_model_len,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        tensor_parallel_size=settings.tensor_parallel_size,
+    )
+    model_dir = Path(settings.model_dir) if settings.model_dir else None
+    return Engine(config=config, model_dir=model_dir, seed=settings.seed)
+
+
+def create_app(
+    settings: ReplicaSettings,
+    engine: Engine | None = None,
+    *,
+    sink: EventSink | None = None,
+) -> FastAPI:
+    """The app starts its scheduler on startup and drains it on shutdown.
+
+    Pass ``engine`` to share one across apps in tests; otherwise it is built from the
+    settings (and closed on shutdown, which stops any TP workers).
+    """
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        own = engine is None
+        eng = await asyncio.to_thread(build_engine, settings) if own else engine
+        assert eng is not None
+        scheduler = Scheduler(eng, settings, sink=sink)
+        metrics = ReplicaMetrics(scheduler)
+        scheduler.on_finish = metrics.observe
+        bus = None
+        if settings.nats_url and sink is None:
+            url = settings.advertise_url or f"http://{settings.host}:{settings.port}"
+            bus = NatsBus(
+                scheduler,
+                settings.nats_url,
+                url,
+                heartbeat_interval_s=settings.heartbeat_interval_s,
+            )
+            scheduler.sink = bus
+            await bus.start()
+        app.state.scheduler = scheduler
+        app.state.metrics = metrics
+        app.state.bus = bus
+        scheduler.start()
+        try:
+            yield
+        finally:
+            await scheduler.stop()
+            if bus is not None:
+                await bus.stop()
+            if own:
+                eng.close()
+
+    app = FastAPI(
+        title=f"Cachepoint replica {settings.name}",
+        version="0.1.0",
+        description="Internal API between the gateway and one replica.",
+        lifespan=lifespan,
+    )
+    install_error_handlers(app)
+    for module in (generate, stats, health):
+        app.include_router(module.router)
+    return app

@@ -1,0 +1,41 @@
+"""GET /v1/stats: the pool, the hit counters and the queue, for the gateway and operator."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from ...schemas import BlockStats, StatsResponse
+from ..deps import SchedulerDep
+
+router = APIRouter(tags=["stats"])
+
+
+@router.get("/v1/stats", response_model=StatsResponse)
+async def stats(scheduler: SchedulerDep) -> StatsResponse:
+    st = scheduler.cache_stats()
+    b = st.blocks
+    return StatsResponse(
+        replica=scheduler.name,
+        epoch=scheduler.epoch,
+        model=scheduler.model,
+        block_size=scheduler.block_size,
+        max_model_len=scheduler.max_model_len,
+        blocks=BlockStats(
+            total=b.total,
+            active=b.active,
+            cached_free=b.cached_free,
+            empty=b.empty,
+            retained=b.retained,
+            max_retained=b.max_retained,
+        ),
+        entries=st.entries,
+        query_tokens=st.query_tokens,
+        hit_tokens=st.hit_tokens,
+        hit_rate=st.hit_tokens / st.query_tokens if st.query_tokens else 0.0,
+        evictions=st.evictions,
+        retain_refusals=st.retain_refusals,
+        waiting=len(scheduler.waiting),
+        running=len(scheduler.running),
+        queued_prefill_tokens=scheduler.queued_prefill_tokens,
+        max_waiting=scheduler.settings.max_waiting,
+    )

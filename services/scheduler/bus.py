@@ -1,0 +1,173 @@
+"""The replica's side of the event plane (DESIGN §4): kv event batches, heartbeats and
+snapshots over NATS.
+
+Losing NATS never stops serving: batches published while it is unreachable are
+dropped once the client's reconnect buffer is full, and `seq` keeps counting, so
+the gateway sees the gap and resyncs from a snapshot when it can.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import nats
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from cachepoint.events import schema
+from cachepoint.events.subjects import HEARTBEAT, kv_subject, snapshot_subject
+from cachepoint.kvcore import KVEvent
+
+from .scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class NatsBus:
+    """Publishes what the scheduler's pool does; answers snapshot requests."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        nats_url: str,
+        advertise_url: str,
+        *,
+        heartbeat_interval_s: float = 1.0,
+    ) -> None:
+        self.scheduler = scheduler
+        self.nats_url = nats_url
+        self.advertise_url = advertise_url
+        self.interval = heartbeat_interval_s
+        self.seq = 0  # last batch seq of this epoch (published or lost)
+        self.drop_next = 0  # test hook: lose the next N batches on purpose
+        self.published = 0  # batches handed to NATS
+        self.lost = 0  # batches that never left (NATS down, or the test hook)
+        self.nc: Client | None = None
+        self._queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._connect(), name="nats-connect"),
+            asyncio.create_task(self._sender(), name="nats-sender"),
+            asyncio.create_task(self._heartbeats(), name="nats-heartbeat"),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.nc is not None and self.nc.is_connected:
+            with contextlib.suppress(Exception):
+                await self.nc.drain()
+
+    async def _connect(self) -> None:
+        """Keep trying until the first connection; nats-py reconnects after that."""
+        while self.nc is None:
+            try:
+                nc = await nats.connect(
+                    self.nats_url,
+                    name=f"replica-{self.scheduler.name}",
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                    connect_timeout=2,
+                    error_cb=self._on_error,
+                )
+            except Exception as exc:
+                log.warning("NATS %s unreachable (%s); retrying", self.nats_url, exc)
+                await asyncio.sleep(1.0)
+                continue
+            await nc.subscribe(snapshot_subject(self.scheduler.name), cb=self._on_snapshot)
+            self.nc = nc
+
+    async def _on_error(self, exc: Exception) -> None:
+        log.debug("NATS error: %s", exc)
+
+    # ---------------------------------------------------------------- events
+
+    def publish(self, epoch: int, events: list[KVEvent]) -> None:
+        """The scheduler's EventSink: called on the loop thread after each step."""
+        self.seq += 1
+        if self.drop_next > 0:
+            self.drop_next -= 1
+            self.lost += 1
+            return
+        batch = schema.EventBatch(
+            v=schema.SCHEMA_VERSION,
+            replica=self.scheduler.name,
+            epoch=epoch,
+            seq=self.seq,
+            ts=time.time(),
+            events=schema.to_wire(events),
+        )
+        # NOTE: one sender task keeps batches in seq order on the wire.
+        self._queue.put_nowait((kv_subject(self.scheduler.name), schema.encode(batch)))
+
+    async def _sender(self) -> None:
+        while True:
+            subject, payload = await self._queue.get()
+            nc = self.nc
+            if nc is None or nc.is_closed:
+                self.lost += 1
+                continue
+            try:
+                await nc.publish(subject, payload)
+                self.published += 1
+            except Exception as exc:  # reconnect buffer full, connection closing, ...
+                self.lost += 1
+                log.debug("kv batch lost: %s", exc)
+
+    async def _on_snapshot(self, msg: Msg) -> None:
+        # Publish whatever the pool did since the last step first, so the snapshot's
+        # seq covers exactly the index it carries.
+        self.scheduler.flush_events()
+        snap = schema.Snapshot(
+            v=schema.SCHEMA_VERSION,
+            replica=self.scheduler.name,
+            epoch=self.scheduler.epoch,
+            seq=self.seq,
+            block_hashes=list(self.scheduler.pool.cached),
+        )
+        await msg.respond(schema.encode(snap))
+
+    # ------------------------------------------------------------ heartbeats
+
+    def heartbeat(self) -> schema.Heartbeat:
+        s = self.scheduler
+        st = s.cache_stats()
+        b = st.blocks
+        return schema.Heartbeat(
+            v=schema.SCHEMA_VERSION,
+            name=s.name,
+            url=self.advertise_url,
+            epoch=s.epoch,
+            model=s.model,
+            block_size=s.block_size,
+            last_seq=self.seq,
+            queued_prefill_tokens=s.queued_prefill_tokens,
+            running=len(s.running),
+            waiting=len(s.waiting),
+            max_waiting=s.settings.max_waiting,
+            blocks_total=b.total,
+            blocks_active=b.active,
+            blocks_cached_free=b.cached_free,
+            blocks_retained=b.retained,
+            hit_tokens=st.hit_tokens,
+            query_tokens=st.query_tokens,
+            ts=time.time(),
+        )
+
+    async def _heartbeats(self) -> None:
+        while True:
+            nc = self.nc
+            if nc is not None and nc.is_connected:
+                with contextlib.suppress(Exception):
+                    await nc.publish(HEARTBEAT, schema.encode(self.heartbeat()))
+            await asyncio.sleep(self.interval)

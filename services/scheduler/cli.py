@@ -1,0 +1,81 @@
+"""`cachepoint-replica`: run one replica (scheduler + engine) behind its HTTP API."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from .settings import ReplicaSettings, parse_bytes
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="cachepoint-replica",
+        description=(
+            "Run one Cachepoint replica: the scheduler that owns the KV block pool and "
+            "decides cache hits, driving a torch engine (CPU, or CUDA when present). "
+            "Flags override CACHEPOINT_REPLICA_* environment variables."
+        ),
+    )
+    p.add_argument("--name", help="replica name, unique in the fleet (default replica-0)")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="HTTP port (default 8100; 0 = any free port)")
+    p.add_argument("--model-dir", type=Path, help="HF Llama folder (config.json, safetensors)")
+    p.add_argument("--model-name", help="model id reported to the gateway")
+    p.add_argument("--tp", type=int, dest="tensor_parallel_size", help="tensor-parallel ranks")
+    p.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
+    p.add_argument("--dtype", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
+    p.add_argument(
+        "--kv-budget",
+        dest="kv_cache_bytes",
+        type=_size,
+        help="KV memory per rank on the CPU, e.g. 256MiB (default 256MiB)",
+    )
+    p.add_argument("--gpu-memory-utilization", type=float, help="share of free GPU memory")
+    p.add_argument("--retained-share", type=float, help="max share of blocks under TTL")
+    p.add_argument("--max-model-len", type=int, help="longest sequence in tokens")
+    p.add_argument("--max-waiting", type=int, help="queued requests before 429 (default 256)")
+    p.add_argument("--nats-url", help="NATS for kv events and heartbeats (default: none)")
+    p.add_argument("--advertise-url", help="URL the gateway should call (default http://HOST:PORT)")
+    p.add_argument("--log-level", default="info", help="debug | info | warning (default info)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if v is not None and k != "log_level"}
+    try:
+        settings = ReplicaSettings(**overrides)
+    except ValidationError as exc:
+        parser.error("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
+    if settings.model_dir is not None and not (settings.model_dir / "config.json").is_file():
+        parser.error(f"--model-dir {settings.model_dir} has no config.json")
+
+    import uvicorn
+
+    from .api.app import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    app = create_app(settings)
+    # NOTE: uvicorn turns SIGINT/SIGTERM into a graceful shutdown: the lifespan drains
+    # the scheduler (every block returned) and stops any TP workers.
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

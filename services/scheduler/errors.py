@@ -1,0 +1,45 @@
+"""Errors the scheduler raises to its callers; the API maps each to one HTTP status."""
+
+from __future__ import annotations
+
+
+class SchedulerError(Exception):
+    """Base class; ``kind`` names the error class in the envelope."""
+
+    kind = "api_error"
+    status = 500
+
+
+class InvalidRequestError(SchedulerError, ValueError):
+    """The request can never run here (bad token id, too long, too big for the pool)."""
+
+    kind = "invalid_request_error"
+    status = 400
+
+
+class QueueFullError(SchedulerError):
+    """The waiting queue is at its bound; retry later."""
+
+    kind = "rate_limit_error"
+    status = 429
+
+
+class OverloadedError(SchedulerError):
+    """The pool cannot fit the request now (blocks retained or in use); retry later."""
+
+    kind = "overloaded_error"
+    status = 503
+
+
+class EngineFailedError(SchedulerError):
+    """The forward pass failed; the request's blocks were returned, nothing published."""
+
+    kind = "api_error"
+    status = 500
+
+
+class CancelledRequestError(SchedulerError):
+    """The client went away; the request was aborted."""
+
+    kind = "cancelled"
+    status = 499

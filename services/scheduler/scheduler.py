@@ -1,0 +1,433 @@
+"""The replica scheduler: admission, continuous batching, commit/abort, stats.
+
+Threading model. Everything that touches kvcore runs on the asyncio event-loop
+thread; only the engine's forward pass runs in a worker thread
+(``asyncio.to_thread``). While a step is in flight the loop does not change any
+allocation the step reads: cancellations are flags that the loop acts on at the next
+step boundary. That keeps kvcore lock-free and the block tables stable under the GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from cachepoint.engine import (
+    DecodeRequest,
+    Engine,
+    PrefillRequest,
+    SamplingParams,
+    StepOutput,
+    StopChecker,
+    sample,
+)
+from cachepoint.engine.sampling import make_generator
+from cachepoint.kvcore import (
+    BlockPool,
+    CacheStats,
+    KVCacheManager,
+    KVEvent,
+    PoolExhaustedError,
+    monotonic_clock,
+)
+
+from . import admission
+from .errors import (
+    CancelledRequestError,
+    EngineFailedError,
+    InvalidRequestError,
+    OverloadedError,
+    QueueFullError,
+)
+from .schemas import CacheReport, GenerateRequest, GenerateResponse, Timings
+from .sequence import PrefillDone, SeqStatus, SequenceState, TokenEvent
+from .settings import ReplicaSettings
+
+log = logging.getLogger(__name__)
+
+
+class EventSink(Protocol):
+    """Where kv events go after each step (the NATS publisher in the cluster)."""
+
+    def publish(self, epoch: int, events: list[KVEvent]) -> None: ...
+
+
+class CountingSink:
+    """Default sink: counts events and drops them (no event plane configured)."""
+
+    def __init__(self) -> None:
+        self.published = 0  # events seen, ever
+
+    def publish(self, epoch: int, events: list[KVEvent]) -> None:
+        self.published += len(events)
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """What one engine step runs."""
+
+    prefills: list[tuple[SequenceState, PrefillRequest]] = field(default_factory=list)
+    decodes: list[tuple[SequenceState, DecodeRequest]] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+    @property
+    def seqs(self) -> list[SequenceState]:
+        return [s for s, _ in self.prefills] + [s for s, _ in self.decodes]
+
+
+FinishHook = Callable[[SequenceState], None]
+
+
+class Scheduler:
+    """Owns the replica's kvcore pool and drives its engine."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        settings: ReplicaSettings,
+        *,
+        clock: Callable[[], float] = monotonic_clock,
+        sink: EventSink | None = None,
+        on_finish: FinishHook | None = None,
+    ) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.name = settings.name
+        self.model = settings.model_name
+        self.block_size = engine.block_size
+        self.max_model_len = engine.max_model_len
+        self.pool = BlockPool(
+            engine.num_blocks,
+            engine.block_size,
+            retained_share=settings.retained_share,
+            clock=clock,
+        )
+        self.manager = KVCacheManager(self.pool)
+        # NOTE: a fresh epoch per process start, monotonic across restarts, and a
+        # `cleared` event to open it: consumers drop whatever they knew before.
+        self.epoch = time.time_ns()
+        self.manager.clear()
+        self.sink: EventSink = sink or CountingSink()
+        self.on_finish = on_finish
+        self.waiting: deque[SequenceState] = deque()
+        self.running: list[SequenceState] = []
+        self.steps = 0  # engine steps run, ever
+        self._ids: set[str] = set()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="scheduler")
+
+    @property
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def stop(self) -> None:
+        """Finish every request with an error, return every block, stop the loop."""
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for seq in [*self.waiting, *self.running]:
+            self._finish(seq, error=OverloadedError("replica is shutting down"))
+        self._drain_events()
+
+    # ---------------------------------------------------------------- intake
+
+    def submit(self, req: GenerateRequest) -> SequenceState:
+        """Validate and queue a request. Raises InvalidRequestError or QueueFullError."""
+        if self._stopping:
+            raise OverloadedError("replica is shutting down")
+        n = len(req.token_ids)
+        vocab = self.engine.vocab_size
+        bad = next((i for i, t in enumerate(req.token_ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"token_ids.{bad}: {req.token_ids[bad]} is not a token id (0..{vocab - 1})"
+            )
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt of {n} tokens leaves no room to generate: max_model_len is "
+                f"{self.max_model_len}"
+            )
+        # NOTE: the engine sizes its pool to hold at least one max_model_len sequence,
+        # so anything within max_model_len fits an empty pool.
+        max_tokens = min(req.max_tokens, self.max_model_len - n)
+        if len(self.waiting) >= self.settings.max_waiting:
+            raise QueueFullError(
+                f"{len(self.waiting)} requests already waiting on replica {self.name}"
+            )
+        request_id = req.request_id or f"req_{uuid.uuid4().hex}"
+        if request_id in self._ids:
+            raise InvalidRequestError(f"request_id {request_id} is already running here")
+        try:
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                stop=tuple(req.stop_sequences),
+                seed=req.seed,
+                ignore_eos=req.ignore_eos,
+            )
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from exc
+        spans = [(s.start_block, list(s.extra_keys)) for s in req.key_spans]
+        schedule = admission.key_schedule(spans)
+        bps = [
+            admission.Breakpoint(
+                position=bp.position,
+                ttl_label=bp.ttl,
+                extra_keys=tuple(bp.extra_keys)
+                if bp.extra_keys is not None
+                else admission.keys_at_block(schedule, (bp.position - 1) // self.block_size),
+                boundaries=tuple(bp.boundaries),
+            )
+            for bp in req.breakpoints
+        ]
+        loop = asyncio.get_running_loop()
+        seq = SequenceState(
+            request_id=request_id,
+            prompt=list(req.token_ids),
+            key_spans=spans,
+            breakpoints=bps,
+            params=params,
+            stream=asyncio.Queue(),
+            done=loop.create_future(),
+            stopper=StopChecker(self.engine.tokenizer, params.stop),
+            generator=make_generator(params, self.engine.device),
+        )
+        self._ids.add(request_id)
+        self.waiting.append(seq)
+        self._wake.set()
+        return seq
+
+    def cancel(self, seq: SequenceState) -> None:
+        """The client went away. Acted on at the next step boundary, never mid-step."""
+        if seq.status is not SeqStatus.FINISHED:
+            seq.cancelled = True
+            self._wake.set()
+
+    # ------------------------------------------------------------------ loop
+
+    async def _loop(self) -> None:
+        while not self._stopping:
+            self._reap_cancelled()
+            self._admit()
+            batch = self._schedule()
+            if batch.empty:
+                self._drain_events()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                out = await asyncio.to_thread(
+                    self.engine.step,
+                    [r for _, r in batch.prefills],
+                    [r for _, r in batch.decodes],
+                )
+            except Exception as exc:  # the forward failed: every sequence in it fails
+                log.warning("engine step failed: %s", exc)
+                for seq in batch.seqs:
+                    self._finish(seq, error=EngineFailedError(f"forward pass failed: {exc}"))
+            else:
+                self.steps += 1
+                self._advance(batch, out)
+            self._drain_events()
+
+    def _reap_cancelled(self) -> None:
+        for seq in [s for s in (*self.waiting, *self.running) if s.cancelled]:
+            self._finish(seq, error=CancelledRequestError("client disconnected"))
+
+    def _admit(self) -> None:
+        """FIFO admission while sequences and blocks allow.
+
+        NOTE: the whole sequence (prompt + max_tokens) is reserved at admission, so a
+        running sequence never runs out of blocks mid-decode and nothing needs
+        preempting; the cost is reserved-but-unused blocks for early stops.
+        """
+        while self.waiting and len(self.running) < self.settings.max_num_seqs:
+            seq = self.waiting[0]
+            schedule = admission.key_schedule(seq.key_spans)
+            cp = admission.plan(self.manager, seq.prompt, schedule, seq.breakpoints)
+            n = seq.prompt_len
+            try:
+                alloc = self.manager.allocate(cp.block_hashes, n)
+                try:
+                    alloc.grow(n + seq.params.max_tokens)
+                except PoolExhaustedError:
+                    alloc.abort()
+                    raise
+            except PoolExhaustedError as exc:
+                if not self.running:
+                    # Nothing will free blocks: what is held is retained by TTL.
+                    self.waiting.popleft()
+                    self._finish(seq, error=OverloadedError(f"KV pool is full: {exc}"))
+                    continue
+                return
+            self.waiting.popleft()
+            seq.plan, seq.alloc = cp, alloc
+            seq.num_computed = alloc.num_cached_tokens
+            seq.status = SeqStatus.PREFILLING
+            seq.t_admit = time.perf_counter()
+            self.running.append(seq)
+
+    def _schedule(self) -> StepBatch:
+        """Decodes first (one token each), then prefill chunks in the remaining budget,
+        so a long prompt never stalls the sequences that are already generating."""
+        batch = StepBatch()
+        budget = self.settings.max_num_batched_tokens
+        for seq in self.running:
+            if seq.status is SeqStatus.DECODING:
+                assert seq.alloc is not None
+                pos = seq.prompt_len + len(seq.output) - 1
+                batch.decodes.append((seq, DecodeRequest(seq.output[-1], pos, seq.alloc.block_ids)))
+        budget -= len(batch.decodes)
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.status is SeqStatus.PREFILLING:
+                assert seq.alloc is not None
+                chunk = min(seq.remaining_prefill, budget)
+                end = seq.num_computed + chunk
+                req = PrefillRequest(seq.prompt[:end], seq.alloc.block_ids, seq.num_computed)
+                batch.prefills.append((seq, req))
+                budget -= chunk
+        return batch
+
+    def _advance(self, batch: StepBatch, out: StepOutput) -> None:
+        sampled: list[tuple[SequenceState, torch.Tensor]] = []
+        for i, (seq, req) in enumerate(batch.prefills):
+            seq.num_computed = len(req.token_ids)
+            if seq.num_computed == seq.prompt_len:
+                self._commit_prefill(seq)
+                sampled.append((seq, out.prefill_logits[i]))
+        for j, (seq, _) in enumerate(batch.decodes):
+            sampled.append((seq, out.decode_logits[j]))
+        if not sampled:
+            return
+        logits = torch.stack([row for _, row in sampled])
+        tokens = sample(logits, [s.params for s, _ in sampled], [s.generator for s, _ in sampled])
+        for (seq, _), token in zip(sampled, tokens, strict=True):
+            self._append_token(seq, token)
+
+    def _commit_prefill(self, seq: SequenceState) -> None:
+        """Write-then-publish, then the managed entries at the breakpoints."""
+        assert seq.alloc is not None
+        assert seq.plan is not None
+        seq.alloc.commit()
+        admission.write_entries(self.manager, seq.plan)
+        w5m, w1h = admission.written_tokens(seq.plan)
+        hit = seq.alloc.num_cached_tokens
+        seq.cache = CacheReport(
+            prompt_tokens=seq.prompt_len,
+            engine_hit_tokens=hit,
+            computed_tokens=seq.prompt_len - hit,
+            entry_hit_tokens=seq.plan.entry_hit_tokens,
+            entry_hit_lookback=seq.plan.entry_hit_lookback,
+            written_5m_tokens=w5m,
+            written_1h_tokens=w1h,
+            retention_refused=seq.plan.refusal_reason is not None,
+            refusal_reason=seq.plan.refusal_reason,
+        )
+        seq.status = SeqStatus.DECODING
+        seq.t_first = time.perf_counter()
+        seq.stream.put_nowait(PrefillDone(seq.cache))
+
+    def _append_token(self, seq: SequenceState, token: int) -> None:
+        seq.output.append(token)
+        eos = self.engine.eos_id
+        if token == eos and not seq.params.ignore_eos:
+            seq.stop_reason = "end_turn"
+        elif seq.stopper.append(token) is not None:
+            seq.stop_reason = "stop_sequence"
+        elif len(seq.output) >= seq.params.max_tokens:
+            seq.stop_reason = "max_tokens"
+        final = seq.stop_reason is not None
+        seq.stream.put_nowait(TokenEvent(token, seq.stopper.delta(final=final)))
+        if final:
+            self._finish(seq)
+
+    def _finish(self, seq: SequenceState, error: Exception | None = None) -> None:
+        if seq.status is SeqStatus.FINISHED:
+            return
+        if seq.alloc is not None:
+            seq.alloc.close()  # abort if the prefill never committed, else free
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.t_end = time.perf_counter()
+        self._ids.discard(seq.request_id)
+        seq.stream.put_nowait(None)
+        if not seq.done.done():
+            if error is None:
+                seq.done.set_result(None)
+            else:
+                seq.done.set_exception(error)
+                seq.done.exception()  # mark retrieved: a vanished client may never await it
+        if self.on_finish is not None:
+            self.on_finish(seq)
+
+    def flush_events(self) -> None:
+        """Hand every pending kv event to the sink now (snapshots call this first)."""
+        self._drain_events()
+
+    def _drain_events(self) -> None:
+        events = self.manager.take_events()
+        if events:
+            self.sink.publish(self.epoch, events)
+
+    # --------------------------------------------------------------- results
+
+    def result(self, seq: SequenceState) -> GenerateResponse:
+        assert seq.cache is not None
+        assert seq.stop_reason is not None
+        t_first = seq.t_first or seq.t_end
+        return GenerateResponse(
+            request_id=seq.request_id,
+            replica=self.name,
+            epoch=self.epoch,
+            model=self.model,
+            output_token_ids=seq.output,
+            text=seq.stopper.text,
+            stop_reason=seq.stop_reason,  # type: ignore[arg-type]
+            stop_sequence=seq.stopper.stopped_on,
+            output_tokens=len(seq.output),
+            cache=seq.cache,
+            timings=Timings(
+                queue_s=seq.t_admit - seq.t_submit,
+                prefill_s=t_first - seq.t_admit,
+                decode_s=seq.t_end - t_first,
+                ttft_s=t_first - seq.t_submit,
+            ),
+        )
+
+    def cache_stats(self) -> CacheStats:
+        return self.manager.stats()
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        """Prefill work not yet done: what the router's load penalty weighs."""
+        waiting = sum(s.prompt_len for s in self.waiting)
+        return waiting + sum(s.remaining_prefill for s in self.running if s.plan is not None)

@@ -1,0 +1,134 @@
+"""The replica's internal HTTP API: what the gateway sends and gets back."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+TtlLabel = Literal["5m", "1h"]
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class KeySpanIn(_Strict):
+    """Extra keys from ``start_block`` on (DESIGN §3: global prefix, then org blocks)."""
+
+    start_block: int = Field(ge=0)
+    extra_keys: list[str] = Field(max_length=16)
+
+
+class BreakpointIn(_Strict):
+    """A `cache_control` marker, already resolved by the gateway to a token position."""
+
+    position: int = Field(ge=1, description="prefix length in tokens the entry covers")
+    ttl: TtlLabel = "5m"
+    extra_keys: list[str] | None = Field(
+        None, description="keys of the entry; default: the key span of its last block"
+    )
+    boundaries: list[int] = Field(
+        default_factory=list,
+        max_length=19,
+        description="earlier content-block ends to look back on, nearest first",
+    )
+
+
+class GenerateRequest(_Strict):
+    request_id: str | None = Field(None, max_length=128)
+    token_ids: Annotated[list[int], Field(min_length=1)]
+    key_spans: list[KeySpanIn] = Field(default_factory=list, max_length=8)
+    breakpoints: list[BreakpointIn] = Field(default_factory=list, max_length=4)
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    stop_sequences: list[str] = Field(default_factory=list, max_length=16)
+    seed: int | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+
+    @model_validator(mode="after")
+    def _positions(self) -> GenerateRequest:
+        n = len(self.token_ids)
+        last = 0
+        for i, bp in enumerate(sorted(self.breakpoints, key=lambda b: b.position)):
+            if bp.position > n:
+                raise ValueError(f"breakpoints.{i}.position {bp.position} is past the prompt ({n})")
+            if bp.position == last:
+                raise ValueError(f"breakpoints.{i}: two breakpoints at position {bp.position}")
+            last = bp.position
+            for b in bp.boundaries:
+                if not 0 < b < bp.position:
+                    raise ValueError(
+                        f"breakpoints.{i}.boundaries: {b} must be within 1..{bp.position - 1}"
+                    )
+        starts = [s.start_block for s in self.key_spans]
+        if starts and (starts[0] != 0 or starts != sorted(set(starts))):
+            raise ValueError("key_spans must start at block 0 and strictly increase")
+        return self
+
+
+class CacheReport(BaseModel):
+    """What the cache did for one request: the gateway's only source for billing."""
+
+    prompt_tokens: int  # N
+    engine_hit_tokens: int  # KV reused by the engine (full blocks; marker or not)
+    computed_tokens: int  # N - engine_hit_tokens
+    entry_hit_tokens: int  # A: the longest live managed entry hit (0 = none)
+    entry_hit_lookback: int | None  # boundaries back from its breakpoint; None = no hit
+    written_5m_tokens: int  # C - max(A, B): written under a 5m entry
+    written_1h_tokens: int  # B - A: written under a 1h entry
+    retention_refused: bool  # a breakpoint could not be retained; billed as input
+    refusal_reason: str | None = None
+
+
+class Timings(BaseModel):
+    queue_s: float  # submit -> admitted
+    prefill_s: float  # admitted -> first token sampled
+    decode_s: float  # first token -> finished
+    ttft_s: float  # submit -> first token
+
+
+class GenerateResponse(BaseModel):
+    request_id: str
+    replica: str
+    epoch: int
+    model: str
+    output_token_ids: list[int]
+    text: str
+    stop_reason: StopReason
+    stop_sequence: str | None
+    output_tokens: int
+    cache: CacheReport
+    timings: Timings
+
+
+class BlockStats(BaseModel):
+    total: int
+    active: int
+    cached_free: int
+    empty: int
+    retained: int
+    max_retained: int
+
+
+class StatsResponse(BaseModel):
+    replica: str
+    epoch: int
+    model: str
+    block_size: int
+    max_model_len: int
+    blocks: BlockStats
+    entries: int
+    query_tokens: int
+    hit_tokens: int
+    hit_rate: float
+    evictions: int
+    retain_refusals: int
+    waiting: int
+    running: int
+    queued_prefill_tokens: int
+    max_waiting: int

@@ -1,0 +1,73 @@
+"""One request's life inside the scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from cachepoint.engine import SamplingParams, StopChecker
+from cachepoint.kvcore import Allocation
+
+from .admission import Breakpoint, CachePlan
+from .schemas import CacheReport
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # queued; holds no blocks
+    PREFILLING = "prefilling"  # admitted; prefill chunks running; blocks unpublished
+    DECODING = "decoding"  # prefill committed; generating
+    FINISHED = "finished"  # done or failed; blocks returned
+
+
+@dataclass(slots=True, frozen=True)
+class TokenEvent:
+    """A streamed piece of output."""
+
+    token_id: int  # the sampled token
+    text: str  # text that became safe to stream with it (may be empty)
+
+
+@dataclass(slots=True, frozen=True)
+class PrefillDone:
+    """The prefill committed: the cache report is final from here on."""
+
+    cache: CacheReport
+
+
+@dataclass(slots=True, eq=False)
+class SequenceState:
+    """Scheduler state of one request. Touched only on the event-loop thread."""
+
+    request_id: str  # unique per replica while running
+    prompt: list[int]  # prompt token ids
+    key_spans: list[tuple[int, list[str]]]  # (start_block, extra keys) from the gateway
+    breakpoints: list[Breakpoint]  # resolved markers
+    params: SamplingParams  # sampling and stop rules
+    stream: asyncio.Queue[TokenEvent | PrefillDone | None]  # None closes the stream
+    done: asyncio.Future[None]  # resolved (or failed) when finished
+    stopper: StopChecker  # stop strings and streamable text
+    status: SeqStatus = SeqStatus.WAITING
+    plan: CachePlan | None = None  # set at admission
+    alloc: Allocation | None = None  # set at admission
+    generator: torch.Generator | None = None  # per-sequence sampling RNG
+    num_computed: int = 0  # prompt positions whose KV is in the pool
+    output: list[int] = field(default_factory=list)  # generated token ids
+    stop_reason: str | None = None  # end_turn | max_tokens | stop_sequence
+    cache: CacheReport | None = None  # final after commit
+    cancelled: bool = False  # client went away; finish at the next step boundary
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_admit: float = 0.0
+    t_first: float = 0.0
+    t_end: float = 0.0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def remaining_prefill(self) -> int:
+        return self.prompt_len - self.num_computed

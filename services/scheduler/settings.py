@@ -1,0 +1,71 @@
+"""One settings object for a replica, from flags, environment (CACHEPOINT_REPLICA_*) or defaults."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pydantic import AliasChoices, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from cachepoint.events.subjects import check_replica_name
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20}
+_UNITS |= {"mib": 2**20, "g": 2**30, "gb": 2**30, "gib": 2**30}
+
+
+def parse_bytes(value: str | int) -> int:
+    """'256MiB', '1g', '1048576' -> bytes. Binary units: a KV budget is sized in pages."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {value!r} (try 256MiB or 2GiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+class ReplicaSettings(BaseSettings):
+    """Everything a replica process needs to start."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="CACHEPOINT_REPLICA_", extra="forbid", populate_by_name=True
+    )
+
+    name: str = Field("replica-0", description="replica name, unique in the fleet")
+    host: str = Field("127.0.0.1", description="address to bind")
+    port: int = Field(8100, ge=0, le=65535, description="HTTP port (0 = any free port)")
+    model_dir: Path | None = Field(None, description="HF Llama checkpoint folder; None = tiny")
+    model_name: str = Field("cachepoint-tiny", description="model id reported to the gateway")
+    seed: int = Field(0, description="seed for random weights when no model_dir is given")
+    tensor_parallel_size: int = Field(1, ge=1, description="ranks that split heads")
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    dtype: str = Field("auto", description="auto | float32 | bfloat16 | float16")
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
+    kv_cache_bytes: int = Field(256 * 2**20, gt=0, description="KV budget per rank on the CPU")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="share of free GPU memory")
+    retained_share: float = Field(0.5, ge=0, le=1, description="max share of blocks under TTL")
+    max_model_len: int | None = Field(None, ge=16, description="longest sequence; None = model's")
+    max_num_seqs: int = Field(32, ge=1, description="sequences running at once")
+    max_num_batched_tokens: int = Field(2048, ge=16, description="tokens in one forward")
+    max_waiting: int = Field(256, ge=0, description="queued requests before 429")
+    nats_url: str | None = Field(
+        None,
+        validation_alias=AliasChoices(
+            "nats_url", "CACHEPOINT_REPLICA_NATS_URL", "CACHEPOINT_NATS_URL"
+        ),
+        description="NATS for kv events and heartbeats; None = no event plane",
+    )
+    advertise_url: str | None = Field(
+        None, description="URL the gateway should call; default http://HOST:PORT"
+    )
+    heartbeat_interval_s: float = Field(1.0, gt=0, description="seconds between heartbeats")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return check_replica_name(v)
+
+    @field_validator("kv_cache_bytes", mode="before")
+    @classmethod
+    def _size(cls, v: object) -> object:
+        return parse_bytes(v) if isinstance(v, str) else v

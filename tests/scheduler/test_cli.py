@@ -1,0 +1,65 @@
+"""`cachepoint-replica` as a user runs it: a real process, signals included."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+CMD = [sys.executable, "-m", "cachepoint.scheduler.cli"]
+
+
+def test_cli_help_explains_flags():
+    out = subprocess.run([*CMD, "--help"], capture_output=True, text=True, check=True).stdout
+    for flag in ("--name", "--port", "--model-dir", "--tp", "--kv-budget"):
+        assert flag in out
+
+
+def test_cli_bad_flags_are_clear_errors(tmp_path):
+    r = subprocess.run([*CMD, "--kv-budget", "lots"], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "not a size" in r.stderr
+    r = subprocess.run([*CMD, "--model-dir", str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "no config.json" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_cli_serves_generate_and_stats_then_stops_on_sigterm(free_port):
+    port = free_port()
+    proc = subprocess.Popen(
+        [*CMD, "--name", "cli-r", "--port", str(port), "--kv-budget", "16MiB"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/readyz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.time() < deadline, "replica never became ready"
+            time.sleep(0.2)
+        r = httpx.post(f"{url}/v1/generate", json={"token_ids": list(range(40)), "max_tokens": 3})
+        assert r.status_code == 200
+        assert r.json()["output_tokens"] == 3
+        stats = httpx.get(f"{url}/v1/stats").json()
+        assert stats["replica"] == "cli-r"
+        assert stats["query_tokens"] == 40
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    # uvicorn drains, then re-raises the signal so the exit status says SIGTERM.
+    assert proc.returncode in (0, -signal.SIGTERM), out
+    assert "Application shutdown complete" in out
+    assert "Traceback" not in out

@@ -1,0 +1,191 @@
+"""The scheduler with the real tiny engine on the CPU."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from cachepoint.engine import Engine
+from cachepoint.kvcore import BlockStored
+from cachepoint.scheduler.errors import (
+    EngineFailedError,
+    InvalidRequestError,
+    QueueFullError,
+)
+from cachepoint.scheduler.scheduler import Scheduler
+from cachepoint.scheduler.schemas import GenerateRequest
+from cachepoint.scheduler.sequence import SeqStatus
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+async def _generate(sched: Scheduler, **kw):
+    seq = sched.submit(GenerateRequest(**kw))
+    await seq.done
+    return sched.result(seq)
+
+
+def _assert_clean(sched: Scheduler) -> None:
+    sched.pool.check_invariants()
+    assert all(b.ref_cnt == 0 for b in sched.pool.blocks)
+    assert not sched.running
+    assert not sched.waiting
+
+
+@pytest.fixture
+async def sched(engine: Engine, settings, sink):
+    s = Scheduler(engine, settings, sink=sink)
+    s.start()
+    yield s
+    await s.stop()
+    engine.fault_hook = None
+
+
+async def test_scheduler_cached_generation_equals_uncached(sched: Scheduler):
+    prompt = _prompt(100, 1)
+    cold = await _generate(sched, token_ids=prompt, max_tokens=12, ignore_eos=True)
+    warm = await _generate(sched, token_ids=prompt, max_tokens=12, ignore_eos=True)
+    assert cold.cache.engine_hit_tokens == 0
+    assert warm.cache.engine_hit_tokens == 96
+    assert warm.cache.computed_tokens == 4
+    assert warm.output_token_ids == cold.output_token_ids
+    _assert_clean(sched)
+
+
+async def test_scheduler_batches_concurrent_requests(sched: Scheduler):
+    prompts = [_prompt(40 + 7 * i, 10 + i) for i in range(5)]
+    alone = [
+        (await _generate(sched, token_ids=p, max_tokens=8, ignore_eos=True)).output_token_ids
+        for p in prompts
+    ]
+    sched.manager.clear()  # make the batched run compute everything again
+    steps_before = sched.steps
+    results = await asyncio.gather(
+        *[_generate(sched, token_ids=p, max_tokens=8, ignore_eos=True) for p in prompts]
+    )
+    assert [r.output_token_ids for r in results] == alone
+    # 5 sequences x (1 prefill + 7 decodes) alone would be 40 steps; batched far fewer.
+    assert sched.steps - steps_before <= 12
+    _assert_clean(sched)
+
+
+async def test_scheduler_long_prefill_does_not_stall_decodes(sched: Scheduler):
+    # Budget 256 tokens per step: a 1,500-token prompt needs 6 prefill chunks.
+    short = sched.submit(GenerateRequest(token_ids=_prompt(20, 3), max_tokens=4, ignore_eos=True))
+    await asyncio.sleep(0)
+    long = sched.submit(GenerateRequest(token_ids=_prompt(1500, 4), max_tokens=2, ignore_eos=True))
+    await short.done
+    assert long.status is not SeqStatus.FINISHED
+    assert long.num_computed < long.prompt_len  # still prefilling when short finished
+    await long.done
+    _assert_clean(sched)
+
+
+async def test_scheduler_managed_entries_and_report(sched: Scheduler):
+    prompt = _prompt(64, 5)
+    first = await _generate(
+        sched, token_ids=prompt, max_tokens=2, breakpoints=[{"position": 40, "ttl": "1h"}]
+    )
+    assert (first.cache.written_1h_tokens, first.cache.written_5m_tokens) == (40, 0)
+    longer = [*prompt, *_prompt(30, 6)]
+    second = await _generate(
+        sched,
+        token_ids=longer,
+        max_tokens=2,
+        breakpoints=[{"position": 40, "ttl": "1h"}, {"position": 90}],
+    )
+    c = second.cache
+    assert c.entry_hit_tokens == 40
+    assert (c.written_1h_tokens, c.written_5m_tokens) == (0, 50)
+    # All 4 full blocks of the first prompt were published; only 40 tokens were marked.
+    assert c.engine_hit_tokens == 64
+    assert sched.cache_stats().entries == 2
+
+
+async def test_scheduler_rejects_bad_input(sched: Scheduler):
+    with pytest.raises(InvalidRequestError, match=r"token_ids\.1"):
+        sched.submit(GenerateRequest(token_ids=[1, 10_000]))
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        sched.submit(GenerateRequest(token_ids=[1] * 2048))
+    with pytest.raises(ValueError, match="past the prompt"):
+        GenerateRequest(token_ids=[1, 2], breakpoints=[{"position": 3}])
+
+
+async def test_scheduler_queue_bound_gives_queue_full(engine: Engine, settings, sink):
+    s = Scheduler(engine, settings, sink=sink)  # not started: nothing drains the queue
+    for _ in range(settings.max_waiting):
+        s.submit(GenerateRequest(token_ids=[1, 2, 3]))
+    with pytest.raises(QueueFullError, match="waiting"):
+        s.submit(GenerateRequest(token_ids=[1, 2, 3]))
+    await s.stop()
+    _assert_clean(s)
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_scheduler_fault_in_forward_aborts_cleanly(sched: Scheduler, engine, sink, seed):
+    """Raise inside the forward pass at a random layer, during prefill or decode."""
+    rng = random.Random(seed)
+    prompt = _prompt(rng.randrange(40, 200), 100 + seed)
+    during_decode = seed % 2 == 1
+    fail_layer = rng.randrange(engine.model_config.num_layers)
+    calls = {"forwards": 0}
+
+    def hook(layer: int) -> None:
+        if layer == 0:
+            calls["forwards"] += 1
+        # Prefill is forward 1; decode forwards follow.
+        if layer == fail_layer and calls["forwards"] == (3 if during_decode else 1):
+            raise RuntimeError(f"injected fault at layer {layer}")
+
+    # A warm prefix, so the failing request also holds hit blocks.
+    await _generate(sched, token_ids=prompt[:33], max_tokens=1)
+    stats_before = sched.cache_stats()
+    events_before = len(sink.events)
+    engine.fault_hook = hook
+    with pytest.raises(EngineFailedError, match="injected fault"):
+        await _generate(sched, token_ids=prompt, max_tokens=5, ignore_eos=True)
+    engine.fault_hook = None
+    _assert_clean(sched)
+    stored_after = [e for e in sink.events[events_before:] if isinstance(e, BlockStored)]
+    if during_decode:
+        # The prefill succeeded, so its blocks were published before the failure.
+        assert stored_after
+    else:
+        assert stored_after == []
+        assert sched.cache_stats().blocks.cached_free == stats_before.blocks.cached_free
+    # The next identical request recomputes correctly.
+    again = await _generate(sched, token_ids=prompt, max_tokens=5, ignore_eos=True)
+    sched.manager.clear()
+    fresh = await _generate(sched, token_ids=prompt, max_tokens=5, ignore_eos=True)
+    assert again.output_token_ids == fresh.output_token_ids
+    _assert_clean(sched)
+
+
+async def test_scheduler_cancel_mid_decode_returns_blocks(sched: Scheduler):
+    seq = sched.submit(GenerateRequest(token_ids=_prompt(50, 8), max_tokens=400, ignore_eos=True))
+    while len(seq.output) < 3:
+        await asyncio.sleep(0.001)
+    sched.cancel(seq)
+    with pytest.raises(Exception, match="disconnected"):
+        await seq.done
+    _assert_clean(sched)
+
+
+async def test_scheduler_stop_sequence_and_eos(sched: Scheduler, engine: Engine):
+    prompt = _prompt(30, 9)
+    free = await _generate(sched, token_ids=prompt, max_tokens=30, ignore_eos=True)
+    text = free.text
+    assert text
+    stop = text[len(text) // 2 : len(text) // 2 + 1]
+    stopped = await _generate(
+        sched, token_ids=prompt, max_tokens=30, ignore_eos=True, stop_sequences=[stop]
+    )
+    assert stopped.stop_reason == "stop_sequence"
+    assert stopped.stop_sequence == stop
+    assert stop not in stopped.text
+    assert free.stop_reason == "max_tokens"
