@@ -1,0 +1,194 @@
+"""The gateway's own overhead: the same request through the gateway and straight to a
+replica that answers at once (the echo replica), side by side in one run.
+
+Run:  .venv/bin/python bench/gateway_bench.py [--requests 400] [--concurrency 16]
+
+Three processes on loopback: the echo replica, the gateway (SQLite ledger, WAL), and
+this client. The direct call sends the gateway's own rendered payload to the replica,
+so the difference is everything the gateway adds: auth, render, the cache_control
+contract, the hop, billing (a committed ledger row per request) and the response.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from cachepoint.gateway.contract.render import Renderer
+from cachepoint.gateway.db.migrate import upgrade
+from cachepoint.gateway.db.session import make_engine, make_sessionmaker
+from cachepoint.gateway.schemas.messages import MessagesRequest
+from cachepoint.gateway.tenants import create_key, create_org
+from cachepoint.tokenizer import ByteTokenizer
+
+SYSTEM = "You are a careful assistant for a hardware store. " * 40
+BODY = {
+    "model": "cachepoint-tiny",
+    "max_tokens": 1,
+    "system": [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}],
+    "messages": [{"role": "user", "content": "Do you sell 10mm hex bolts?"}],
+}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{url} exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise SystemExit(f"{url} never became ready")
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
+
+
+def sequential(client: httpx.Client, url: str, body: dict, headers: dict, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        r = client.post(url, json=body, headers=headers)
+        out.append(time.perf_counter() - t0)
+        if r.status_code != 200:
+            raise SystemExit(f"{url}: {r.status_code} {r.text[:200]}")
+    return out
+
+
+async def throughput(url: str, body: dict, headers: dict, conc: int, seconds: float) -> float:
+    done = 0
+    stop = time.perf_counter() + seconds
+    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=conc)) as c:
+
+        async def worker() -> None:
+            nonlocal done
+            while time.perf_counter() < stop:
+                r = await c.post(url, json=body, headers=headers)
+                if r.status_code == 200:
+                    done += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*[worker() for _ in range(conc)])
+        return done / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--requests", type=int, default=400, help="sequential requests per side")
+    ap.add_argument("--concurrency", type=int, default=16, help="clients for the RPS phase")
+    ap.add_argument("--seconds", type=float, default=5.0, help="length of each RPS phase")
+    args = ap.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="cp-gw-bench-"))
+    db = f"sqlite:///{tmp}/bench.db"
+    engine = make_engine(db)
+    upgrade(engine)
+    with make_sessionmaker(engine)() as s:
+        key = create_key(s, create_org(s, "bench"))[1]
+        s.commit()
+    engine.dispose()
+
+    rport, gport = free_port(), free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    replica = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "--factory",
+            "cachepoint.scheduler.echo:create_echo_app",
+            "--port",
+            str(rport),
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+    )
+    gateway = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cachepoint.gateway.cli",
+            "--port",
+            str(gport),
+            "--db",
+            db,
+            "--replica",
+            f"http://127.0.0.1:{rport}",
+            "--min-cacheable-tokens",
+            "64",
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+    )
+    rurl, gurl = f"http://127.0.0.1:{rport}", f"http://127.0.0.1:{gport}"
+    try:
+        wait_ready(rurl, replica)
+        wait_ready(gurl, gateway)
+        rendered = Renderer(ByteTokenizer()).render(MessagesRequest.model_validate(BODY))
+        direct_body = {
+            "token_ids": rendered.tokens.tolist(),
+            "max_tokens": 1,
+            "breakpoints": [{"position": rendered.blocks[0].end}],
+        }
+        headers = {"x-api-key": key}
+        with httpx.Client(timeout=30) as c:
+            for _ in range(50):  # warm both paths
+                c.post(f"{rurl}/v1/generate", json=direct_body)
+                c.post(f"{gurl}/v1/messages", json=BODY, headers=headers)
+            direct: list[float] = []
+            via: list[float] = []
+            for _ in range(4):  # interleave so drift hits both sides alike
+                direct += sequential(c, f"{rurl}/v1/generate", direct_body, {}, args.requests // 4)
+                via += sequential(c, f"{gurl}/v1/messages", BODY, headers, args.requests // 4)
+        rps_direct = asyncio.run(
+            throughput(f"{rurl}/v1/generate", direct_body, {}, args.concurrency, args.seconds)
+        )
+        rps_via = asyncio.run(
+            throughput(f"{gurl}/v1/messages", BODY, headers, args.concurrency, args.seconds)
+        )
+    finally:
+        for p in (gateway, replica):
+            p.terminate()
+            p.wait(10)
+
+    print(f"gateway overhead: {len(rendered)}-token prompt with one breakpoint, echo replica")
+    print(f"{'':24}{'p50 ms':>10}{'p99 ms':>10}{'mean ms':>10}")
+    for name, xs in (("direct to replica", direct), ("through the gateway", via)):
+        p50_, p99_, mean_ = pct(xs, 50) * 1e3, pct(xs, 99) * 1e3, statistics.mean(xs) * 1e3
+        print(f"{name:24}{p50_:10.2f}{p99_:10.2f}{mean_:10.2f}")
+    p50 = (pct(via, 50) - pct(direct, 50)) * 1e3
+    p99 = (pct(via, 99) - pct(direct, 99)) * 1e3
+    print(f"{'added by the gateway':24}{p50:10.2f}{p99:10.2f}")
+    print(
+        f"throughput with {args.concurrency} clients: direct {rps_direct:.0f} req/s, "
+        f"through the gateway {rps_via:.0f} req/s"
+    )
+    print(f"target p50 overhead < 3 ms: {'met' if p50 < 3 else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The gateway: Messages API, cache_control contract, routing, billing."""

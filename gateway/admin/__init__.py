@@ -1,0 +1,1 @@
+"""`cachepoint-admin`: tenants, keys, policies, prices and usage from the command line."""

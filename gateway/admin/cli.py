@@ -1,0 +1,381 @@
+"""`cachepoint-admin`: orgs, workspaces, keys, scope policy, prices and usage tables.
+
+Every command takes ``--db URL`` (default: the embedded stack's SQLite file) and
+migrates that database first, so it works on a fresh one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy import select
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session
+
+from ..db.migrate import upgrade
+from ..db.models import ApiKey, ModelPrice, Workspace
+from ..db.session import make_engine, make_sessionmaker
+from ..reports import LIMITS, USAGE_GROUPS, WIDTHS, ReportError, parse_query, usage_report
+from ..settings import DEFAULT_DB
+from ..tenants import (
+    TenantError,
+    create_key,
+    create_org,
+    create_workspace,
+    get_org,
+    get_workspace,
+    revoke_key,
+    set_policy,
+)
+
+# NOTE: piped into a script there is no terminal width; never truncate an id there.
+out = Console(width=None if Console().is_terminal else 200)
+err = Console(stderr=True, width=200)
+
+
+def _usd_per_mtok(text: str) -> int:
+    try:
+        micros = Decimal(text) * 1_000_000
+    except InvalidOperation:
+        raise argparse.ArgumentTypeError(
+            f"not a price: {text!r} (USD per million tokens)"
+        ) from None
+    if micros < 0 or micros != micros.to_integral_value():
+        raise argparse.ArgumentTypeError(f"price {text!r} must be >= 0 with at most 6 decimals")
+    return int(micros)
+
+
+def _mult(text: str) -> str:
+    try:
+        value = Decimal(text)
+    except InvalidOperation:
+        raise argparse.ArgumentTypeError(f"not a multiplier: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("multipliers must be >= 0")
+    return str(value)
+
+
+# ------------------------------------------------------------------ commands
+
+
+def cmd_orgs_create(s: Session, a: argparse.Namespace) -> None:
+    org = create_org(s, a.name)
+    s.commit()
+    out.print(org.id if a.quiet else f"created org {org.name} ({org.id})")
+
+
+def cmd_orgs_list(s: Session, a: argparse.Namespace) -> None:
+    from ..db.models import Org
+
+    t = Table("id", "name", "global scope", "allow-list", "created")
+    for org in s.scalars(select(Org).order_by(Org.created_at)):
+        n = len([d for d in org.global_allowlist.split("\n") if d])
+        t.add_row(
+            org.id,
+            org.name,
+            "allowed" if org.allow_global_scope else "off",
+            str(n) if n else "any",
+            org.created_at.strftime("%Y-%m-%d %H:%M"),
+        )
+    out.print(t)
+
+
+def cmd_orgs_set_policy(s: Session, a: argparse.Namespace) -> None:
+    org = get_org(s, a.name)
+    set_policy(s, org, allow_global=a.allow_global_scope, allowlist=a.allow_prefix)
+    s.commit()
+    state = "allowed" if org.allow_global_scope else "off"
+    out.print(f"org {org.name}: global scope {state}")
+
+
+def cmd_workspaces_create(s: Session, a: argparse.Namespace) -> None:
+    ws = create_workspace(s, get_org(s, a.org), a.name)
+    s.commit()
+    out.print(ws.id if a.quiet else f"created workspace {ws.name} ({ws.id})")
+
+
+def cmd_workspaces_list(s: Session, a: argparse.Namespace) -> None:
+    org = get_org(s, a.org)
+    t = Table("id", "name", "created")
+    for ws in s.scalars(select(Workspace).where(Workspace.org_id == org.id)):
+        t.add_row(ws.id, ws.name, ws.created_at.strftime("%Y-%m-%d %H:%M"))
+    out.print(t)
+
+
+def cmd_keys_create(s: Session, a: argparse.Namespace) -> None:
+    org = get_org(s, a.org)
+    ws = get_workspace(s, org, a.workspace) if a.workspace else None
+    key, raw = create_key(s, org, name=a.name or "", workspace=ws, admin=a.admin)
+    s.commit()
+    if a.quiet:
+        print(raw)
+        return
+    kind = "admin key" if a.admin else "API key"
+    out.print(f"created {kind} {key.id} for {org.name}")
+    out.print(f"[bold]{raw}[/bold]")
+    out.print("Store it now: it is not shown again.")
+
+
+def cmd_keys_list(s: Session, a: argparse.Namespace) -> None:
+    org = get_org(s, a.org)
+    t = Table("id", "name", "kind", "workspace", "ends with", "state")
+    for k in s.scalars(select(ApiKey).where(ApiKey.org_id == org.id).order_by(ApiKey.created_at)):
+        t.add_row(
+            k.id,
+            k.name,
+            "admin" if k.is_admin else "api",
+            k.workspace_id or "-",
+            k.hint,
+            "revoked" if k.revoked_at else "active",
+        )
+    out.print(t)
+
+
+def cmd_keys_revoke(s: Session, a: argparse.Namespace) -> None:
+    key = revoke_key(s, a.key_id)
+    s.commit()
+    out.print(f"revoked {key.id}")
+
+
+def _upsert_price(s: Session, model: str, p: dict[str, Any]) -> None:
+    row = s.get(ModelPrice, model) or ModelPrice(model=model)
+    row.input_per_mtok = p["input"]
+    row.output_per_mtok = p["output"]
+    row.write_5m_mult = p.get("write_5m", "1.25")
+    row.write_1h_mult = p.get("write_1h", "2")
+    row.read_mult = p.get("read", "0.1")
+    s.add(row)
+
+
+def cmd_prices_set(s: Session, a: argparse.Namespace) -> None:
+    _upsert_price(
+        s,
+        a.model,
+        {
+            "input": a.input,
+            "output": a.output,
+            "write_5m": a.write_5m,
+            "write_1h": a.write_1h,
+            "read": a.read,
+        },
+    )
+    s.commit()
+    out.print(f"price set for {a.model}")
+
+
+def cmd_prices_load(s: Session, a: argparse.Namespace) -> None:
+    """JSON: {"model": {"input": "3", "output": "15", "write_5m": "1.25", ...}} in USD/MTok."""
+    try:
+        data = json.loads(Path(a.file).read_text())
+        if not isinstance(data, dict):
+            raise ValueError("top level must be an object of models")
+        for model, p in data.items():
+            _upsert_price(
+                s,
+                model,
+                {
+                    "input": _usd_per_mtok(str(p["input"])),
+                    "output": _usd_per_mtok(str(p["output"])),
+                    "write_5m": _mult(str(p.get("write_5m", "1.25"))),
+                    "write_1h": _mult(str(p.get("write_1h", "2"))),
+                    "read": _mult(str(p.get("read", "0.1"))),
+                },
+            )
+    except (OSError, ValueError, KeyError, TypeError, argparse.ArgumentTypeError) as exc:
+        raise TenantError(f"cannot load prices from {a.file}: {exc}") from exc
+    s.commit()
+    out.print(f"loaded {len(data)} price(s)")
+
+
+def cmd_prices_list(s: Session, a: argparse.Namespace) -> None:
+    t = Table("model", "input $/MTok", "output $/MTok", "write 5m", "write 1h", "read")
+    for p in s.scalars(select(ModelPrice).order_by(ModelPrice.model)):
+        t.add_row(
+            p.model,
+            str(Decimal(p.input_per_mtok) / 1_000_000),
+            str(Decimal(p.output_per_mtok) / 1_000_000),
+            p.write_5m_mult,
+            p.write_1h_mult,
+            p.read_mult,
+        )
+    out.print(t)
+
+
+def _since(text: str) -> str:
+    """'7d', '24h', '30m' ago, or an RFC 3339 timestamp."""
+    units = {"d": "days", "h": "hours", "m": "minutes"}
+    if text[:-1].isdigit() and text[-1] in units:
+        t = datetime.now(UTC) - timedelta(**{units[text[-1]]: int(text[:-1])})
+        return t.isoformat()
+    return text
+
+
+def cmd_usage(s: Session, a: argparse.Namespace) -> None:
+    org = get_org(s, a.org)
+    since = _since(a.since)
+    limit = a.limit
+    if limit is None and not a.until:
+        # Show every bucket from --since up to the one holding now, within the page cap.
+        try:
+            start = datetime.fromisoformat(since.replace("Z", "+00:00"))
+        except ValueError:
+            raise TenantError(f"--since: not a duration or timestamp: {a.since!r}") from None
+        width = WIDTHS[a.bucket]
+        span = (datetime.now(UTC) - start).total_seconds()
+        limit = min(int(span // width) + 2, LIMITS[a.bucket][1])
+    params = [("starting_at", since), ("bucket_width", a.bucket)]
+    params += [("limit", str(limit))] if limit else []
+    params += [("ending_at", a.until)] if a.until else []
+    params += [("group_by", g) for g in a.group_by or []]
+    try:
+        q = parse_query(org.id, params, USAGE_GROUPS, WIDTHS)
+    except ReportError as exc:
+        raise TenantError(str(exc)) from exc
+    report = usage_report(s, q)
+    cols = [
+        "starting_at",
+        *(a.group_by or []),
+        "uncached_input",
+        "cache_read",
+        "cache_write_5m",
+        "cache_write_1h",
+        "output",
+    ]
+    rows = []
+    for bucket in report["data"]:
+        for r in bucket["results"]:
+            cc = r["cache_creation"]
+            rows.append(
+                [
+                    bucket["starting_at"],
+                    *(str(r[g]) for g in a.group_by or []),
+                    r["uncached_input_tokens"],
+                    r["cache_read_input_tokens"],
+                    cc["ephemeral_5m_input_tokens"],
+                    cc["ephemeral_1h_input_tokens"],
+                    r["output_tokens"],
+                ]
+            )
+    if a.csv:
+        w = csv.writer(sys.stdout)
+        w.writerow(cols)
+        w.writerows(rows)
+        return
+    t = Table(*cols, title=f"usage of {org.name}")
+    for row in rows:
+        t.add_row(*(str(x) for x in row))
+    out.print(t)
+    if report["has_more"]:
+        out.print("more buckets follow: narrow --since or raise --limit")
+
+
+# -------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="cachepoint-admin",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--db", default=DEFAULT_DB, help=f"database URL (default {DEFAULT_DB})")
+    sub = p.add_subparsers(dest="group", metavar="GROUP", required=True)
+
+    def command(parent: Any, name: str, fn: Callable[..., None], help: str) -> Any:
+        c = parent.add_parser(name, help=help, description=help)
+        c.set_defaults(fn=fn)
+        return c
+
+    orgs = sub.add_parser("orgs", help="organizations").add_subparsers(dest="cmd", required=True)
+    c = command(orgs, "create", cmd_orgs_create, "create an org")
+    c.add_argument("name")
+    c.add_argument("--quiet", action="store_true", help="print only the new org id")
+    command(orgs, "list", cmd_orgs_list, "list orgs")
+    c = command(orgs, "set-policy", cmd_orgs_set_policy, "set an org's global-scope policy")
+    c.add_argument("name")
+    g = c.add_mutually_exclusive_group(required=True)
+    g.add_argument("--allow-global-scope", dest="allow_global_scope", action="store_true")
+    g.add_argument("--deny-global-scope", dest="allow_global_scope", action="store_false")
+    c.add_argument(
+        "--allow-prefix",
+        action="append",
+        metavar="DIGEST",
+        help="restrict global scope to these prefix digests (repeatable)",
+    )
+
+    ws = sub.add_parser("workspaces", help="workspaces").add_subparsers(dest="cmd", required=True)
+    c = command(ws, "create", cmd_workspaces_create, "create a workspace in an org")
+    c.add_argument("--org", required=True)
+    c.add_argument("name")
+    c.add_argument("--quiet", action="store_true", help="print only the new workspace id")
+    c = command(ws, "list", cmd_workspaces_list, "list an org's workspaces")
+    c.add_argument("--org", required=True)
+
+    keys = sub.add_parser("keys", help="API and admin keys").add_subparsers(
+        dest="cmd", required=True
+    )
+    c = command(keys, "create", cmd_keys_create, "issue a key (shown once)")
+    c.add_argument("--org", required=True)
+    c.add_argument("--workspace", help="workspace name or id")
+    c.add_argument("--name", help="a label for the key")
+    c.add_argument("--admin", action="store_true", help="an admin key (reports, no messages)")
+    c.add_argument("--quiet", action="store_true", help="print only the key")
+    c = command(keys, "list", cmd_keys_list, "list an org's keys")
+    c.add_argument("--org", required=True)
+    c = command(keys, "revoke", cmd_keys_revoke, "revoke a key by id")
+    c.add_argument("key_id")
+
+    prices = sub.add_parser("prices", help="model prices").add_subparsers(dest="cmd", required=True)
+    c = command(prices, "set", cmd_prices_set, "set one model's prices (USD per MTok)")
+    c.add_argument("model")
+    c.add_argument("--input", required=True, type=_usd_per_mtok, help="USD per MTok input")
+    c.add_argument("--output", required=True, type=_usd_per_mtok, help="USD per MTok output")
+    c.add_argument("--write-5m", default="1.25", type=_mult, help="5m write multiplier")
+    c.add_argument("--write-1h", default="2", type=_mult, help="1h write multiplier")
+    c.add_argument("--read", default="0.1", type=_mult, help="cache read multiplier")
+    c = command(prices, "load", cmd_prices_load, "load prices from a JSON file")
+    c.add_argument("file")
+    command(prices, "list", cmd_prices_list, "list prices")
+
+    c = command(sub, "usage", cmd_usage, "print an org's usage by time bucket")
+    c.add_argument("--org", required=True)
+    c.add_argument("--since", default="7d", help="7d, 24h, 30m ago, or RFC 3339 (default 7d)")
+    c.add_argument("--until", help="RFC 3339 end (default: now)")
+    c.add_argument("--bucket", default="1d", choices=sorted(WIDTHS), help="bucket width")
+    c.add_argument("--group-by", action="append", choices=sorted(USAGE_GROUPS))
+    c.add_argument("--limit", type=int, help="buckets to show")
+    c.add_argument("--csv", action="store_true", help="CSV on stdout instead of a table")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        engine = make_engine(args.db)
+        upgrade(engine)
+    except OperationalError as exc:
+        err.print(f"cachepoint-admin: cannot open database {args.db}: {exc.orig}")
+        return 2
+    try:
+        with make_sessionmaker(engine)() as session:
+            args.fn(session, args)
+    except TenantError as exc:
+        err.print(f"cachepoint-admin: {exc}")
+        return 1
+    finally:
+        engine.dispose()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

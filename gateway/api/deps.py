@@ -1,0 +1,83 @@
+"""Typed dependencies: the app state, the caller behind the API key, the beta set."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from fastapi import Depends, Request
+from starlette.concurrency import run_in_threadpool
+
+from ..errors import forbidden, invalid, unauthenticated
+from ..state import GatewayState
+from ..tenants import KeyContext
+
+# NOTE: any dated version is accepted: SDK releases move the header forward and this
+# gateway's wire behaviour does not branch on it; a malformed value is still a 400.
+API_VERSION = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+
+
+def get_state(request: Request) -> GatewayState:
+    state: GatewayState = request.app.state.gateway
+    return state
+
+
+StateDep = Annotated[GatewayState, Depends(get_state)]
+
+
+def request_id(request: Request) -> str:
+    return str(request.state.request_id)
+
+
+RequestIdDep = Annotated[str, Depends(request_id)]
+
+
+async def get_caller(request: Request, state: StateDep) -> KeyContext:
+    raw = request.headers.get("x-api-key")
+    if raw is None:
+        auth = request.headers.get("authorization", "")
+        raw = auth[7:].strip() if auth.lower().startswith("bearer ") else None
+    if not raw:
+        raise unauthenticated("x-api-key header is required")
+    found, ctx = state.cached_auth(raw)
+    if not found:
+        ctx = await run_in_threadpool(state.authenticate, raw)
+    if ctx is None:
+        raise unauthenticated("invalid x-api-key")
+    return ctx
+
+
+CallerDep = Annotated[KeyContext, Depends(get_caller)]
+
+
+def message_caller(ctx: CallerDep) -> KeyContext:
+    if ctx.is_admin:
+        raise forbidden("admin keys cannot send messages; use an API key")
+    return ctx
+
+
+def admin_caller(ctx: CallerDep) -> KeyContext:
+    if not ctx.is_admin:
+        raise forbidden("this endpoint needs an admin key")
+    return ctx
+
+
+MessageCallerDep = Annotated[KeyContext, Depends(message_caller)]
+AdminCallerDep = Annotated[KeyContext, Depends(admin_caller)]
+
+
+def get_betas(request: Request, state: StateDep) -> set[str]:
+    version = request.headers.get("anthropic-version")
+    if version is not None and not API_VERSION.match(version):
+        raise invalid(f"anthropic-version: {version!r} is not a version date (YYYY-MM-DD)")
+    betas: set[str] = set()
+    for header in request.headers.getlist("anthropic-beta"):
+        betas.update(b.strip() for b in header.split(",") if b.strip())
+    known = set(state.settings.known_betas)
+    for beta in sorted(betas):
+        if beta not in known:
+            raise invalid(f"Unsupported beta header: {beta}")
+    return betas
+
+
+BetasDep = Annotated[set[str], Depends(get_betas)]

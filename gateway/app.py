@@ -1,0 +1,72 @@
+"""Builds the gateway's FastAPI app."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI
+
+from cachepoint.tokenizer import load_tokenizer
+
+from .api import errors
+from .api.middleware import RequestIdMiddleware
+from .api.routes import health, messages, models, reports
+from .bus import GatewayBus
+from .contract.render import Renderer
+from .db.migrate import upgrade
+from .db.session import make_engine, make_sessionmaker
+from .directory import ReplicaDirectory
+from .routing import DirectoryRouter
+from .settings import GatewaySettings
+from .state import GatewayState
+from .upstream import Router
+
+
+def create_app(settings: GatewaySettings, router: Router | None = None) -> FastAPI:
+    """The app migrates the database on startup. Pass ``router`` to choose replicas some
+    other way than round-robin over ``settings.replica_urls``."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = make_engine(settings.database_url)
+        upgrade(engine)
+        timeout = httpx.Timeout(settings.upstream_timeout_s, connect=5.0)
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+            directory = ReplicaDirectory(heartbeat_interval_s=settings.heartbeat_interval_s)
+            bus = GatewayBus(directory, settings.nats_url, http, seed_urls=settings.replica_urls)
+            chosen = router or DirectoryRouter(
+                directory,
+                http,
+                settings.routing_policy,
+                settings.block_size,
+                nats_up=lambda: bus.connected,
+            )
+            app.state.gateway = GatewayState(
+                settings=settings,
+                sessions=make_sessionmaker(engine),
+                renderer=Renderer(load_tokenizer(settings.model_dir)),
+                router=chosen,
+            )
+            app.state.directory = directory
+            app.state.bus = bus
+            await bus.start()
+            try:
+                yield
+            finally:
+                await bus.stop()
+                engine.dispose()
+
+    app = FastAPI(
+        title="Cachepoint gateway",
+        version="0.1.0",
+        description="Anthropic-compatible Messages API with managed prompt caching.",
+        lifespan=lifespan,
+    )
+    errors.install(app)
+    for module in (messages, models, reports, health):
+        app.include_router(module.router)
+    app.add_middleware(RequestIdMiddleware, max_body_bytes=settings.max_body_bytes)
+    return app

@@ -1,0 +1,182 @@
+"""The gateway's side of the event plane: subscribe, resync, and keep serving without it.
+
+While NATS is connected, heartbeats and kv batches feed the directory. While it is
+not (or heartbeats go stale), the replicas' /v1/stats are polled instead, so routing
+keeps load-only information and requests keep flowing. On reconnect every replica
+is resynced from a snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+
+import httpx
+import nats
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from cachepoint.events import schema
+from cachepoint.events.subjects import HEARTBEAT, KV_ALL, snapshot_subject
+
+from .directory import ReplicaDirectory
+
+log = logging.getLogger(__name__)
+
+
+class GatewayBus:
+    def __init__(
+        self,
+        directory: ReplicaDirectory,
+        nats_url: str | None,
+        http: httpx.AsyncClient,
+        *,
+        seed_urls: Sequence[str] = (),
+        snapshot_timeout_s: float = 2.0,
+    ) -> None:
+        self.directory = directory
+        self.nats_url = nats_url
+        self.http = http
+        self.seed_urls = list(seed_urls)  # replicas to poll before/without heartbeats
+        self.snapshot_timeout_s = snapshot_timeout_s
+        self.nc: Client | None = None
+        self.connected = False  # NATS up right now
+        self.stale_batches = 0  # undecodable or unknown-version messages dropped
+        self._tasks: list[asyncio.Task[None]] = []
+        self._resyncing: set[str] = set()
+
+    async def start(self) -> None:
+        await self._poll_stats()  # know the static replicas before the first request
+        self.directory.sweep()
+        self._tasks.append(asyncio.create_task(self._maintain(), name="directory-sweep"))
+        if self.nats_url:
+            self._tasks.append(asyncio.create_task(self._connect(), name="nats-connect"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await self.nc.close()
+
+    # ------------------------------------------------------------------ NATS
+
+    async def _connect(self) -> None:
+        assert self.nats_url is not None
+        while self.nc is None:
+            try:
+                nc = await nats.connect(
+                    self.nats_url,
+                    name="cachepoint-gateway",
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                    connect_timeout=2,
+                    disconnected_cb=self._on_disconnect,
+                    reconnected_cb=self._on_reconnect,
+                    error_cb=self._on_error,
+                )
+            except Exception as exc:
+                log.warning("NATS %s unreachable (%s); routing on load only", self.nats_url, exc)
+                await asyncio.sleep(1.0)
+                continue
+            await nc.subscribe(KV_ALL, cb=self._on_kv)
+            await nc.subscribe(HEARTBEAT, cb=self._on_heartbeat)
+            self.nc = nc
+            self.connected = True
+            self._resync_all()
+
+    async def _on_disconnect(self) -> None:
+        self.connected = False
+
+    async def _on_reconnect(self) -> None:
+        self.connected = True
+        # Anything may have been missed while away: rebuild every index.
+        self._resync_all()
+
+    async def _on_error(self, exc: Exception) -> None:
+        log.debug("NATS error: %s", exc)
+
+    async def _on_kv(self, msg: Msg) -> None:
+        try:
+            batch = schema.decode(msg.data, schema.EventBatch)
+        except schema.SchemaError as exc:
+            self.stale_batches += 1
+            log.warning("dropping kv message on %s: %s", msg.subject, exc)
+            return
+        if self.directory.on_batch(batch):
+            self._spawn_resync(batch.replica)
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        try:
+            hb = schema.decode(msg.data, schema.Heartbeat)
+        except schema.SchemaError as exc:
+            log.warning("dropping heartbeat: %s", exc)
+            return
+        if self.directory.on_heartbeat(hb):
+            self.directory.begin_resync(hb.name)
+            self._spawn_resync(hb.name)
+
+    def _resync_all(self) -> None:
+        for name in list(self.directory.replicas):
+            self.directory.begin_resync(name)
+            self._spawn_resync(name)
+
+    def _spawn_resync(self, name: str) -> None:
+        if name in self._resyncing:
+            return
+        self._resyncing.add(name)
+        self._tasks.append(asyncio.create_task(self._resync(name), name=f"resync-{name}"))
+
+    async def _resync(self, name: str) -> None:
+        try:
+            for _ in range(5):
+                nc = self.nc
+                if nc is None or not self.connected:
+                    self.directory.resync_failed(name)
+                    return
+                try:
+                    reply = await nc.request(
+                        snapshot_subject(name), b"", timeout=self.snapshot_timeout_s
+                    )
+                    snap = schema.decode(reply.data, schema.Snapshot)
+                except Exception as exc:
+                    log.warning("snapshot of %s failed: %s", name, exc)
+                    self.directory.resync_failed(name)
+                    return
+                if not self.directory.on_snapshot(snap):
+                    return
+        finally:
+            self._resyncing.discard(name)
+
+    # ------------------------------------------------------- load fallback
+
+    async def _maintain(self) -> None:
+        """Age out silent replicas; poll /v1/stats when heartbeats are not coming."""
+        while True:
+            await asyncio.sleep(self.directory.interval / 2)
+            self.directory.sweep()
+            if not self.connected or not any(
+                st.last_heartbeat for st in self.directory.replicas.values()
+            ):
+                await self._poll_stats()
+                self.directory.sweep()
+
+    async def _poll_stats(self) -> None:
+        urls = set(self.seed_urls)
+        urls.update(st.url for st in self.directory.replicas.values() if st.url)
+
+        async def one(url: str) -> None:
+            try:
+                r = await self.http.get(f"{url}/v1/stats", timeout=1.0)
+                if r.status_code == 200:
+                    stats = r.json()
+                    self.directory.on_stats(str(stats["replica"]), url, stats)
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass  # an unreachable replica simply stays out of routing
+
+        await asyncio.gather(*(one(u) for u in urls))

@@ -1,0 +1,1 @@
+"""The billing database: tenants, keys, prices and the usage ledger (SQLAlchemy 2)."""

@@ -1,0 +1,97 @@
+"""Tables. Money is integer micro-dollars; time is UTC plus epoch seconds for bucketing."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Org(Base):
+    __tablename__ = "orgs"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    allow_global_scope: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Newline-separated prefix digests global scope may cover; empty = any.
+    global_allowlist: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Workspace(Base):
+    __tablename__ = "workspaces"
+    __table_args__ = (UniqueConstraint("org_id", "name"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    org_id: Mapped[str] = mapped_column(ForeignKey("orgs.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    org_id: Mapped[str] = mapped_column(ForeignKey("orgs.id", ondelete="CASCADE"), index=True)
+    workspace_id: Mapped[str | None] = mapped_column(
+        ForeignKey("workspaces.id", ondelete="SET NULL"), nullable=True
+    )
+    name: Mapped[str] = mapped_column(String(128), default="")
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex; never the key
+    hint: Mapped[str] = mapped_column(String(16))  # last characters, to recognise a key
+    is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class ModelPrice(Base):
+    __tablename__ = "prices"
+
+    model: Mapped[str] = mapped_column(String(256), primary_key=True)
+    input_per_mtok: Mapped[int] = mapped_column(BigInteger)  # micro-dollars per 1M tokens
+    output_per_mtok: Mapped[int] = mapped_column(BigInteger)
+    write_5m_mult: Mapped[str] = mapped_column(String(16), default="1.25")  # exact decimals
+    write_1h_mult: Mapped[str] = mapped_column(String(16), default="2")
+    read_mult: Mapped[str] = mapped_column(String(16), default="0.1")
+
+
+class UsageRecord(Base):
+    """One row per billed request; the request id makes a retry unable to bill twice."""
+
+    __tablename__ = "usage"
+    __table_args__ = (Index("ix_usage_org_time", "org_id", "created_s"),)
+
+    request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    org_id: Mapped[str] = mapped_column(String(40))
+    workspace_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    api_key_id: Mapped[str] = mapped_column(String(40))
+    model: Mapped[str] = mapped_column(String(256))
+    replica: Mapped[str] = mapped_column(String(128), default="")
+    scope: Mapped[str] = mapped_column(String(8), default="org")
+    input_tokens: Mapped[int] = mapped_column(Integer)
+    cache_read_input_tokens: Mapped[int] = mapped_column(Integer)
+    cache_write_5m_tokens: Mapped[int] = mapped_column(Integer)
+    cache_write_1h_tokens: Mapped[int] = mapped_column(Integer)
+    output_tokens: Mapped[int] = mapped_column(Integer)
+    cost_micros: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    created_s: Mapped[int] = mapped_column(BigInteger)  # epoch seconds: portable bucketing

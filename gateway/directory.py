@@ -1,0 +1,221 @@
+"""The gateway's view of the fleet: one prefix index and one load record per replica,
+fed only by the replicas' events and heartbeats (DESIGN §4).
+
+Pure bookkeeping with no I/O: the NATS side (`bus.py`) feeds it and performs the
+snapshot requests it asks for, so every rule below is unit-testable.
+
+- A batch whose seq skips ahead starts a snapshot resync; batches that arrive
+  meanwhile are buffered and replayed after the snapshot.
+- A batch or heartbeat from a newer epoch drops the replica's index first.
+- A replica whose heartbeat is older than ``miss_factor`` intervals is not live, so
+  it is never routed to; its next heartbeat brings it back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cachepoint.events import schema
+from cachepoint.routing import ReplicaView
+
+
+@dataclass(slots=True)
+class ReplicaState:
+    """Everything the gateway tracks about one replica."""
+
+    view: ReplicaView  # what routing policies read: index, load, liveness
+    url: str | None = None  # its HTTP API, from heartbeats (or static config)
+    epoch: int = 0  # current epoch; older batches are ignored
+    last_seq: int = 0  # last batch applied in this epoch
+    last_heartbeat: float = 0.0  # monotonic time of the last heartbeat (0 = never)
+    last_polled: float = 0.0  # monotonic time of the last /v1/stats answer
+    last_applied: float = 0.0  # monotonic time the index last changed (freshness)
+    block_size: int = 0
+    model: str = ""
+    resyncing: bool = False  # a snapshot request is in flight
+    pending: list[schema.EventBatch] = field(default_factory=list)  # held during resync
+
+    @property
+    def name(self) -> str:
+        return self.view.name
+
+
+class ReplicaDirectory:
+    """Replica name -> state. Call `sweep()` periodically to age out silent replicas."""
+
+    def __init__(
+        self,
+        *,
+        heartbeat_interval_s: float = 1.0,
+        miss_factor: float = 3.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.interval = heartbeat_interval_s
+        self.miss_after = heartbeat_interval_s * miss_factor
+        self.clock = clock
+        self.replicas: dict[str, ReplicaState] = {}
+        self.resyncs = 0  # snapshot resyncs started, ever
+        self.heartbeat_misses = 0  # replicas taken out of routing for silence, ever
+        self.batches_applied = 0
+
+    # ----------------------------------------------------------------- state
+
+    def _state(self, name: str) -> ReplicaState:
+        st = self.replicas.get(name)
+        if st is None:
+            st = ReplicaState(view=ReplicaView(name=name, live=False))
+            self.replicas[name] = st
+        return st
+
+    def _new_epoch(self, st: ReplicaState, epoch: int) -> None:
+        st.view.index.replace(())
+        st.epoch = epoch
+        st.last_seq = 0
+        st.pending.clear()
+        st.resyncing = False
+        st.last_applied = self.clock()
+
+    # ------------------------------------------------------------ heartbeats
+
+    def on_heartbeat(self, hb: schema.Heartbeat) -> bool:
+        """Record load and liveness. True when the heartbeat reveals missed batches
+        (its last_seq is ahead of what was applied): the caller should resync."""
+        st = self._state(hb.name)
+        if hb.epoch > st.epoch:
+            self._new_epoch(st, hb.epoch)
+        elif hb.epoch < st.epoch:
+            return False  # a late heartbeat from the previous process
+        st.url = hb.url
+        st.block_size = hb.block_size
+        st.model = hb.model
+        st.last_heartbeat = self.clock()
+        v = st.view
+        v.queued_prefill_tokens = hb.queued_prefill_tokens
+        v.running = hb.running
+        v.waiting = hb.waiting
+        v.max_waiting = hb.max_waiting
+        v.live = True
+        return hb.last_seq > st.last_seq and not st.resyncing
+
+    def on_stats(self, name: str, url: str, stats: Mapping[str, Any]) -> bool:
+        """Load from a replica's /v1/stats (the fallback while NATS is down)."""
+        st = self._state(name)
+        epoch = int(stats["epoch"])
+        if epoch > st.epoch:
+            self._new_epoch(st, epoch)
+        st.url = url
+        st.block_size = int(stats["block_size"])
+        st.model = str(stats["model"])
+        st.last_polled = self.clock()
+        v = st.view
+        v.queued_prefill_tokens = int(stats["queued_prefill_tokens"])
+        v.running = int(stats["running"])
+        v.waiting = int(stats["waiting"])
+        v.max_waiting = int(stats["max_waiting"])
+        v.live = True
+        return True
+
+    def sweep(self) -> list[str]:
+        """Take silent replicas out of routing; returns the names just taken out."""
+        now = self.clock()
+        out = []
+        for st in self.replicas.values():
+            fresh = max(st.last_heartbeat, st.last_polled)
+            live = fresh > 0 and now - fresh <= self.miss_after
+            if st.view.live and not live:
+                self.heartbeat_misses += 1
+                out.append(st.name)
+            st.view.live = live
+        return out
+
+    # ---------------------------------------------------------------- events
+
+    def on_batch(self, batch: schema.EventBatch) -> bool:
+        """Apply a batch in order. True when a gap was found and a resync must start."""
+        st = self._state(batch.replica)
+        if batch.epoch < st.epoch:
+            return False
+        if batch.epoch > st.epoch:
+            self._new_epoch(st, batch.epoch)
+        if st.resyncing:
+            st.pending.append(batch)
+            return False
+        if batch.seq <= st.last_seq:
+            return False  # a duplicate, or already covered by a snapshot
+        if batch.seq != st.last_seq + 1:
+            st.pending.append(batch)
+            st.resyncing = True
+            self.resyncs += 1
+            return True
+        self._apply(st, batch)
+        return False
+
+    def _apply(self, st: ReplicaState, batch: schema.EventBatch) -> None:
+        st.view.index.apply_all(schema.to_kvcore(batch.events))
+        st.last_seq = batch.seq
+        st.last_applied = self.clock()
+        self.batches_applied += 1
+
+    def begin_resync(self, name: str) -> None:
+        """Mark a resync in flight (e.g. after reconnecting to NATS)."""
+        st = self._state(name)
+        if not st.resyncing:
+            st.resyncing = True
+            self.resyncs += 1
+
+    def on_snapshot(self, snap: schema.Snapshot) -> bool:
+        """Replace the index, then replay buffered batches past the snapshot.
+        True when another gap remains and a new resync is needed."""
+        st = self._state(snap.replica)
+        if snap.epoch < st.epoch:
+            st.resyncing = False
+            return True
+        if snap.epoch > st.epoch:
+            self._new_epoch(st, snap.epoch)
+        st.view.index.replace(schema.to_kvcore_hashes(snap.block_hashes))
+        st.last_seq = snap.seq
+        st.last_applied = self.clock()
+        st.resyncing = False
+        pending = sorted(
+            (b for b in st.pending if b.epoch == st.epoch and b.seq > snap.seq),
+            key=lambda b: b.seq,
+        )
+        st.pending.clear()
+        for b in pending:
+            if b.seq != st.last_seq + 1:
+                st.pending = [x for x in pending if x.seq > st.last_seq]
+                st.resyncing = True
+                self.resyncs += 1
+                return True
+            self._apply(st, b)
+        return False
+
+    def resync_failed(self, name: str) -> None:
+        """The snapshot request failed; keep what is buffered and try again later."""
+        self._state(name).resyncing = False
+
+    # --------------------------------------------------------------- queries
+
+    def views(self) -> list[ReplicaView]:
+        return [st.view for st in self.replicas.values() if st.url is not None]
+
+    def url_of(self, name: str) -> str | None:
+        st = self.replicas.get(name)
+        return st.url if st else None
+
+    def freshness_s(self, name: str) -> float | None:
+        """Seconds since the replica's index last changed (None if never)."""
+        st = self.replicas.get(name)
+        if st is None or not st.last_applied:
+            return None
+        return self.clock() - st.last_applied
+
+    def mark_down(self, name: str) -> None:
+        """A call to it failed at the transport: stop routing there until it speaks."""
+        st = self.replicas.get(name)
+        if st is not None:
+            st.view.live = False
+            st.last_heartbeat = st.last_polled = 0.0

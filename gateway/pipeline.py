@@ -1,0 +1,120 @@
+"""From a Messages request to a replica payload, and from the replica's reply to usage.
+
+The route handlers stay thin: they call `prepare`, send the payload, then `usage_of`
+and the ledger.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .contract.billing import Buckets, buckets
+from .contract.breakpoints import CachePlan, ContractError, resolve
+from .contract.render import RenderedPrompt, Renderer
+from .errors import ApiError, invalid
+from .schemas.messages import CacheCreation, MessagesRequest, Usage
+from .settings import GatewaySettings
+from .tenants import KeyContext
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    rendered: RenderedPrompt  # tokens and block spans
+    plan: CachePlan  # breakpoints, key spans, scope
+    payload: dict[str, Any]  # the replica's /v1/generate body
+
+
+def tenant_key(ctx: KeyContext, settings: GatewaySettings) -> str:
+    if settings.tenant_scope == "workspace" and ctx.workspace_id:
+        return f"workspace:{ctx.workspace_id}"
+    return f"org:{ctx.org_id}"
+
+
+def plan_cache(
+    rendered: RenderedPrompt,
+    req: Any,
+    ctx: KeyContext,
+    betas: set[str],
+    settings: GatewaySettings,
+) -> CachePlan:
+    try:
+        return resolve(
+            rendered,
+            req.cache_control,
+            model=req.model,
+            tenant_key=tenant_key(ctx, settings),
+            betas=betas,
+            cache_key_betas=settings.cache_key_betas,
+            policy=ctx.policy,
+            min_cacheable_tokens=settings.min_cacheable_tokens,
+            block_size=settings.block_size,
+        )
+    except ContractError as exc:
+        raise invalid(str(exc)) from exc
+
+
+def prepare(
+    req: MessagesRequest,
+    ctx: KeyContext,
+    betas: set[str],
+    settings: GatewaySettings,
+    renderer: Renderer,
+    request_id: str,
+) -> Prepared:
+    rendered = renderer.render(req)
+    n = len(rendered)
+    if n + req.max_tokens > settings.max_context_tokens:
+        raise invalid(
+            f"prompt is too long: {n} tokens + max_tokens {req.max_tokens} > "
+            f"{settings.max_context_tokens} maximum"
+        )
+    plan = plan_cache(rendered, req, ctx, betas, settings)
+    payload: dict[str, Any] = {
+        "request_id": request_id,
+        "token_ids": rendered.tokens.tolist(),
+        "key_spans": [{"start_block": s, "extra_keys": list(k)} for s, k in plan.key_spans],
+        "breakpoints": [
+            {
+                "position": bp.position,
+                "ttl": bp.ttl,
+                "extra_keys": list(bp.extra_keys),
+                "boundaries": list(bp.boundaries),
+            }
+            for bp in plan.breakpoints
+        ],
+        "max_tokens": req.max_tokens,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": req.top_p or 1.0,
+        "top_k": req.top_k or 0,
+        "stop_sequences": req.stop_sequences or [],
+    }
+    return Prepared(rendered, plan, payload)
+
+
+def buckets_of(cache: dict[str, Any], output_tokens: int) -> Buckets:
+    """The replica's cache report is the only source; engine hits without a marker are
+    not reads (DESIGN §3)."""
+    try:
+        return buckets(
+            int(cache["prompt_tokens"]),
+            int(cache["entry_hit_tokens"]),
+            int(cache["written_5m_tokens"]),
+            int(cache["written_1h_tokens"]),
+            output_tokens,
+        )
+    except (KeyError, ValueError) as exc:
+        raise ApiError(500, "api_error", f"replica sent an unusable cache report: {exc}") from exc
+
+
+def usage_of(b: Buckets) -> Usage:
+    return Usage(
+        input_tokens=b.input_tokens,
+        cache_creation_input_tokens=b.cache_creation_input_tokens,
+        cache_read_input_tokens=b.cache_read_input_tokens,
+        output_tokens=b.output_tokens,
+        cache_creation=CacheCreation(
+            ephemeral_5m_input_tokens=b.cache_write_5m_tokens,
+            ephemeral_1h_input_tokens=b.cache_write_1h_tokens,
+        ),
+    )

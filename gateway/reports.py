@@ -1,0 +1,258 @@
+"""Usage and cost reports in the shape of Anthropic's Admin API (DESIGN §3, Billing).
+
+Rows are bucketed in SQL on integer epoch seconds, which SQLite and PostgreSQL both
+do the same way; every bucket in the window is returned, empty ones included.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from decimal import ROUND_HALF_UP, Decimal
+from fractions import Fraction
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from .contract.billing import Price
+from .db.models import UsageRecord
+
+WIDTHS = {"1m": 60, "1h": 3600, "1d": 86400}
+LIMITS = {"1m": (60, 1440), "1h": (24, 168), "1d": (7, 31)}  # (default, max) buckets a page
+USAGE_GROUPS = {"model", "api_key_id", "workspace_id"}
+COST_GROUPS = {"model", "api_key_id", "workspace_id", "description"}
+TOKEN_FIELDS = (
+    "input_tokens",
+    "cache_read_input_tokens",
+    "cache_write_5m_tokens",
+    "cache_write_1h_tokens",
+    "output_tokens",
+)
+
+
+class ReportError(ValueError):
+    """A bad report parameter; the message names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReportQuery:
+    org_id: str
+    start: datetime  # first bucket's start (snapped)
+    end: datetime  # buckets must end at or before this
+    width: str  # 1m | 1h | 1d
+    group_by: tuple[str, ...]
+    limit: int
+    models: tuple[str, ...] = ()
+    api_key_ids: tuple[str, ...] = ()
+    workspace_ids: tuple[str, ...] = ()
+
+
+def _parse_time(name: str, value: str) -> datetime:
+    try:
+        t = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise ReportError(f"{name}: not an RFC 3339 timestamp: {value!r}") from None
+    return t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC)
+
+
+def _snap(t: datetime, width: str) -> datetime:
+    secs = WIDTHS[width]
+    return datetime.fromtimestamp(int(t.timestamp()) // secs * secs, UTC)
+
+
+def encode_page(start: datetime) -> str:
+    return "page_" + base64.urlsafe_b64encode(start.isoformat().encode()).decode()
+
+
+def _decode_page(page: str) -> datetime:
+    try:
+        raw = base64.urlsafe_b64decode(page.removeprefix("page_").encode()).decode()
+        return _parse_time("page", raw)
+    except (binascii.Error, UnicodeDecodeError, ReportError):
+        raise ReportError("page: not a page token from a previous response") from None
+
+
+def parse_query(
+    org_id: str, params: list[tuple[str, str]], allowed_groups: set[str], widths: Iterable[str]
+) -> ReportQuery:
+    """Query-string parameters (both ``group_by`` and ``group_by[]`` forms) to a query."""
+    multi: dict[str, list[str]] = defaultdict(list)
+    for k, v in params:
+        multi[k.removesuffix("[]")].append(v)
+    known = {"starting_at", "ending_at", "bucket_width", "group_by", "limit", "page"}
+    known |= {"models", "api_key_ids", "workspace_ids"}
+    unknown = sorted(set(multi) - known)
+    if unknown:
+        raise ReportError(f"{unknown[0]}: unknown parameter")
+    if not multi.get("starting_at"):
+        raise ReportError("starting_at: required")
+    width = (multi.get("bucket_width") or ["1d"])[-1]
+    if width not in widths:
+        raise ReportError(f"bucket_width: must be one of {', '.join(sorted(widths))}")
+    groups = tuple(dict.fromkeys(multi.get("group_by", [])))
+    bad = [g for g in groups if g not in allowed_groups]
+    if bad:
+        raise ReportError(f"group_by: {bad[0]!r} is not one of {', '.join(sorted(allowed_groups))}")
+    default_limit, max_limit = LIMITS[width]
+    try:
+        limit = int((multi.get("limit") or [default_limit])[-1])
+    except ValueError:
+        raise ReportError("limit: must be an integer") from None
+    if not 1 <= limit <= max_limit:
+        raise ReportError(f"limit: must be within 1..{max_limit} for bucket_width {width}")
+    start = _snap(_parse_time("starting_at", multi["starting_at"][-1]), width)
+    if multi.get("page"):
+        start = _decode_page(multi["page"][-1])
+    now = datetime.now(UTC)
+    end = _parse_time("ending_at", multi["ending_at"][-1]) if multi.get("ending_at") else None
+    if end is None:
+        # No end: up to and including the bucket that holds "now".
+        end = _snap(now, width) + timedelta(seconds=WIDTHS[width])
+    if end <= start:
+        raise ReportError("ending_at: must be after starting_at")
+    return ReportQuery(
+        org_id=org_id,
+        start=start,
+        end=end,
+        width=width,
+        group_by=groups,
+        limit=limit,
+        models=tuple(multi.get("models", [])),
+        api_key_ids=tuple(multi.get("api_key_ids", [])),
+        workspace_ids=tuple(multi.get("workspace_ids", [])),
+    )
+
+
+def _buckets(q: ReportQuery) -> tuple[list[datetime], bool]:
+    step = timedelta(seconds=WIDTHS[q.width])
+    out: list[datetime] = []
+    t = q.start
+    while t + step <= q.end and len(out) < q.limit:
+        out.append(t)
+        t += step
+    return out, t + step <= q.end
+
+
+def _rows(session: Session, q: ReportQuery, starts: list[datetime], groups: tuple[str, ...]):
+    secs = WIDTHS[q.width]
+    bucket = (UsageRecord.created_s - UsageRecord.created_s % secs).label("bucket")
+    cols = [getattr(UsageRecord, g) for g in groups]
+    sums = [func.sum(getattr(UsageRecord, f)).label(f) for f in TOKEN_FIELDS]
+    sums.append(func.sum(UsageRecord.cost_micros).label("cost_micros"))
+    lo = int(starts[0].timestamp())
+    hi = int(starts[-1].timestamp()) + secs
+    stmt = (
+        select(bucket, *cols, *sums)
+        .where(UsageRecord.org_id == q.org_id)
+        .where(UsageRecord.created_s >= lo, UsageRecord.created_s < hi)
+    )
+    if q.models:
+        stmt = stmt.where(UsageRecord.model.in_(q.models))
+    if q.api_key_ids:
+        stmt = stmt.where(UsageRecord.api_key_id.in_(q.api_key_ids))
+    if q.workspace_ids:
+        stmt = stmt.where(UsageRecord.workspace_id.in_(q.workspace_ids))
+    stmt = stmt.group_by(bucket, *cols).order_by(bucket, *cols)
+    return session.execute(stmt).all()
+
+
+def _iso(t: datetime) -> str:
+    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _page(q: ReportQuery, starts: list[datetime], has_more: bool, results: dict[int, list[Any]]):
+    step = timedelta(seconds=WIDTHS[q.width])
+    data = [
+        {
+            "starting_at": _iso(s),
+            "ending_at": _iso(s + step),
+            "results": results.get(int(s.timestamp()), []),
+        }
+        for s in starts
+    ]
+    nxt = encode_page(starts[-1] + step) if has_more and starts else None
+    return {"data": data, "has_more": has_more, "next_page": nxt}
+
+
+def usage_report(session: Session, q: ReportQuery) -> dict[str, Any]:
+    starts, has_more = _buckets(q)
+    results: dict[int, list[Any]] = defaultdict(list)
+    if starts:
+        for row in _rows(session, q, starts, q.group_by):
+            m = row._mapping
+            item: dict[str, Any] = {g: None for g in USAGE_GROUPS}
+            item.update({g: m[g] for g in q.group_by})
+            item.update(
+                uncached_input_tokens=int(m["input_tokens"]),
+                cache_read_input_tokens=int(m["cache_read_input_tokens"]),
+                cache_creation={
+                    "ephemeral_5m_input_tokens": int(m["cache_write_5m_tokens"]),
+                    "ephemeral_1h_input_tokens": int(m["cache_write_1h_tokens"]),
+                },
+                output_tokens=int(m["output_tokens"]),
+                server_tool_use=None,
+            )
+            results[int(m["bucket"])].append(item)
+    return _page(q, starts, has_more, results)
+
+
+def cents(micros: Fraction | int) -> str:
+    """Micro-dollars as a decimal string of cents, the Admin API's unit."""
+    value = Decimal(Fraction(micros).numerator) / Decimal(Fraction(micros).denominator)
+    return str((value / 10_000).quantize(Decimal("0.000001"), rounding=ROUND_HALF_UP))
+
+
+_TOKEN_TYPES = (
+    ("input_tokens", "uncached_input_tokens", "Input"),
+    ("cache_read_input_tokens", "cache_read_input_tokens", "Cache read"),
+    ("cache_write_5m_tokens", "cache_creation.ephemeral_5m_input_tokens", "Cache write 5m"),
+    ("cache_write_1h_tokens", "cache_creation.ephemeral_1h_input_tokens", "Cache write 1h"),
+    ("output_tokens", "output_tokens", "Output"),
+)
+
+
+def cost_report(session: Session, q: ReportQuery, price_of: Any) -> dict[str, Any]:
+    """``price_of(model) -> Price``. Without ``description`` the amounts are the ledger's
+    own per-request costs summed; with it, each token type is priced at report time."""
+    starts, has_more = _buckets(q)
+    by_desc = "description" in q.group_by
+    groups = tuple(g for g in q.group_by if g != "description")
+    if by_desc and "model" not in groups:
+        groups = (*groups, "model")
+    results: dict[int, list[Any]] = defaultdict(list)
+    if starts:
+        for row in _rows(session, q, starts, groups):
+            m = row._mapping
+            base: dict[str, Any] = {"currency": "USD", "cost_type": None, "token_type": None}
+            base.update({"workspace_id": None, "model": None, "description": None})
+            base.update({g: m[g] for g in groups})
+            if not by_desc:
+                results[int(m["bucket"])].append({**base, "amount": cents(int(m["cost_micros"]))})
+                continue
+            price: Price = price_of(m["model"])
+            rates = {
+                "input_tokens": Fraction(price.input_per_mtok),
+                "cache_read_input_tokens": price.input_per_mtok * price.read_mult,
+                "cache_write_5m_tokens": price.input_per_mtok * price.write_5m_mult,
+                "cache_write_1h_tokens": price.input_per_mtok * price.write_1h_mult,
+                "output_tokens": Fraction(price.output_per_mtok),
+            }
+            for field, token_type, label in _TOKEN_TYPES:
+                n = int(m[field])
+                if not n:
+                    continue
+                results[int(m["bucket"])].append(
+                    {
+                        **base,
+                        "cost_type": "tokens",
+                        "token_type": token_type,
+                        "description": f"{m['model']} {label}",
+                        "amount": cents(n * rates[field] / 1_000_000),
+                    }
+                )
+    return _page(q, starts, has_more, results)

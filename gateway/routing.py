@@ -1,0 +1,60 @@
+"""Cache-aware routing over the directory (DESIGN §4): hash the prompt with the same
+kvcore code and keys the replica will use, then let the configured policy choose."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import httpx
+
+from cachepoint.kvcore import KeySpan, hash_blocks
+from cachepoint.routing import LeastLoadedPolicy, NoReplicaError, RoutingPolicy, make_policy
+
+from .directory import ReplicaDirectory
+from .errors import overloaded
+from .upstream import ReplicaClient, Routed, RouteRequest
+
+
+class DirectoryRouter:
+    """Routes with the configured policy while the event plane is up, and on load
+    alone (least-loaded) while it is down."""
+
+    def __init__(
+        self,
+        directory: ReplicaDirectory,
+        http: httpx.AsyncClient,
+        policy: str,
+        block_size: int,
+        *,
+        nats_up: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.directory = directory
+        self.http = http
+        self.policy: RoutingPolicy = make_policy(policy)
+        self.fallback: RoutingPolicy = LeastLoadedPolicy()
+        self.block_size = block_size
+        self.nats_up = nats_up
+        self._clients: dict[str, ReplicaClient] = {}
+
+    def _client(self, name: str, url: str) -> ReplicaClient:
+        c = self._clients.get(name)
+        if c is None or c.url != url.rstrip("/"):
+            c = ReplicaClient(name, url, self.http)
+            self._clients[name] = c
+        return c
+
+    def pick(self, req: RouteRequest) -> Routed:
+        views = self.directory.views()
+        spans = [KeySpan(start, tuple(keys)) for start, keys in req.key_spans]
+        hashes = hash_blocks(req.tokens, self.block_size, spans)
+        policy = self.policy if self.nats_up() else self.fallback
+        try:
+            decision = policy.choose(hashes, views, self.block_size, num_tokens=len(req.tokens))
+        except NoReplicaError as exc:
+            raise overloaded(f"no replica can take the request: {exc}") from exc
+        url = self.directory.url_of(decision.replica)
+        assert url is not None, "views() only lists replicas with a URL"
+        return Routed(self._client(decision.replica, url), decision)
+
+    def report_failure(self, name: str) -> None:
+        self.directory.mark_down(name)

@@ -1,0 +1,1 @@
+"""Wire schemas of the public API."""

@@ -1,0 +1,90 @@
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.orm import Session
+
+from cachepoint.gateway.db.migrate import upgrade
+from cachepoint.gateway.db.session import make_engine, make_sessionmaker
+
+PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
+    """A fresh, empty database: SQLite (embedded default) and PostgreSQL (the cluster's)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path}/ledger.db"
+        return
+    name = f"cp_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture
+def session(db_url: str) -> Iterator[Session]:
+    engine = make_engine(db_url)
+    upgrade(engine)
+    with make_sessionmaker(engine)() as s:
+        yield s
+    engine.dispose()
+
+
+# ------------------------------------------------------------ a live stack
+
+
+@pytest.fixture(scope="session")
+def tiny_engine():
+    from cachepoint.engine import Engine, EngineConfig, ModelConfig
+
+    return Engine(ModelConfig.tiny(), EngineConfig(kv_cache_bytes=32 * 2**20, max_model_len=4096))
+
+
+def _seed(tmp_path) -> tuple[str, dict[str, str]]:
+    from cachepoint.gateway.tenants import create_key, create_org
+
+    db = f"sqlite:///{tmp_path}/gw.db"
+    engine = make_engine(db)
+    upgrade(engine)
+    keys = {}
+    with make_sessionmaker(engine)() as s:
+        for name in ("a", "b"):
+            org = create_org(s, name)
+            keys[name] = create_key(s, org)[1]
+            keys[f"{name}-admin"] = create_key(s, org, admin=True)[1]
+        s.commit()
+    engine.dispose()
+    return db, keys
+
+
+@pytest.fixture
+def seeded_db(tmp_path):
+    """A migrated SQLite ledger with orgs a and b: (url, {a, a-admin, b, b-admin} keys)."""
+    return _seed(tmp_path)
+
+
+@pytest.fixture
+def stack(tmp_path, serve, tiny_engine):
+    """A real replica (tiny model, CPU) and a gateway on SQLite, with two orgs' keys."""
+    from cachepoint.gateway.app import create_app
+    from cachepoint.gateway.settings import GatewaySettings
+    from cachepoint.scheduler.api.app import create_app as create_replica_app
+    from cachepoint.scheduler.settings import ReplicaSettings
+
+    replica = serve(create_replica_app(ReplicaSettings(name="r0"), tiny_engine))
+    db, keys = _seed(tmp_path)
+    settings = GatewaySettings(
+        database_url=db, replica_urls=[replica], min_cacheable_tokens=64, max_body_bytes=200_000
+    )
+    url = serve(create_app(settings))
+    return {"url": url, "keys": keys, "replica": replica, "db": db}
