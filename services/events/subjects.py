@@ -1,0 +1,28 @@
+"""NATS subjects (DESIGN §4). Replica names are single subject tokens."""
+
+from __future__ import annotations
+
+import re
+
+KV_PREFIX = "cachepoint.kv"
+KV_ALL = f"{KV_PREFIX}.*"  # one token after the prefix: never matches snapshot subjects
+HEARTBEAT = "cachepoint.replica.heartbeat"
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def check_replica_name(name: str) -> str:
+    """Replica names become subject tokens: letters, digits, '-' and '_' only."""
+    if not _TOKEN.match(name) or name == "snapshot":
+        raise ValueError(
+            f"replica name {name!r} must be 1-64 letters, digits, '-' or '_' (and not 'snapshot')"
+        )
+    return name
+
+
+def kv_subject(replica: str) -> str:
+    return f"{KV_PREFIX}.{replica}"
+
+
+def snapshot_subject(replica: str) -> str:
+    return f"{KV_PREFIX}.snapshot.{replica}"
