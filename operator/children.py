@@ -1,0 +1,88 @@
+"""Apply the builders' output to the cluster: the CacheReplica's Service and member pods.
+
+Each function reads what exists, compares it with what the builders want and sends
+only the difference, so running it twice changes nothing the second time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+
+from . import kube
+from .config import OperatorConfig
+from .members import Plan, observe, plan
+from .naming import selector_string, service_name
+from .pod import build_replica_pod, template_hash
+from .service import build_replica_service, service_drift
+from .spec import ReplicaSpec
+
+
+class ForeignChild(Exception):
+    """An object with the name we need exists and belongs to someone else: never touch it."""
+
+
+def _owned_by(obj: dict[str, Any], uid: str) -> bool:
+    refs = obj.get("metadata", {}).get("ownerReferences") or []
+    return any(ref.get("uid") == uid for ref in refs)
+
+
+def owned_pods(namespace: str, replica: str, uid: str) -> list[dict[str, Any]]:
+    """Member pods of this CacheReplica object (not of an older one of the same name)."""
+    return [p for p in kube.list_pods(namespace, selector_string(replica)) if _owned_by(p, uid)]
+
+
+def ensure_service(owner: kopf.Body, replica: str, namespace: str, spec: ReplicaSpec) -> str | None:
+    """Create the Service or bring its ports and selector back; what was done, if anything."""
+    desired = build_replica_service(replica=replica, namespace=namespace, spec=spec)
+    kopf.adopt(desired, owner=owner)
+    current = kube.get_service(namespace, service_name(replica))
+    if current is None:
+        return "created" if kube.create_service(desired) else None
+    if not _owned_by(current, owner.metadata.uid or ""):
+        raise ForeignChild(
+            f"Service {service_name(replica)} already exists and is not this CacheReplica's"
+        )
+    ops = service_drift(current, desired)
+    if ops:
+        kube.patch_service(namespace, service_name(replica), ops)
+        return "updated"
+    return None
+
+
+def converge_members(
+    owner: kopf.Body,
+    replica: str,
+    namespace: str,
+    uid: str,
+    spec: ReplicaSpec,
+    config: OperatorConfig,
+    *,
+    roll: bool,
+) -> Plan:
+    """One step towards `spec.replicas` members on the current template; the plan taken."""
+    wanted = template_hash(spec, config)
+    pods = owned_pods(namespace, replica, uid)
+    step = plan(spec.replicas, wanted, observe(pods), roll=roll)
+    for name in step.delete:
+        kube.delete_pod(namespace, name)
+    for index in step.create:
+        pod = build_replica_pod(
+            replica=replica, namespace=namespace, index=index, spec=spec, config=config
+        )
+        kopf.adopt(pod, owner=owner)
+        kube.create_pod(pod)
+    return step
+
+
+def remove_children(namespace: str, replica: str, uid: str) -> int:
+    """Delete the member pods and the Service this object owns; how many objects went."""
+    removed = sum(
+        kube.delete_pod(namespace, pod["metadata"]["name"])
+        for pod in owned_pods(namespace, replica, uid)
+    )
+    service = kube.get_service(namespace, service_name(replica))
+    if service is not None and _owned_by(service, uid):
+        removed += kube.delete_service(namespace, service_name(replica))
+    return removed

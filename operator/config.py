@@ -1,0 +1,40 @@
+"""Operator-wide settings, read once from CACHEPOINT_OPERATOR_* environment variables.
+
+These are the things a CacheReplica should not have to repeat: where the release's
+NATS and OTLP collector live (the chart sets them), and how often to poll members.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from pydantic import BaseModel, ConfigDict, Field
+
+ENV_PREFIX = "CACHEPOINT_OPERATOR_"
+
+
+class OperatorConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    nats_url: str | None = Field(None, description="set as CACHEPOINT_NATS_URL in member pods")
+    otlp_endpoint: str | None = Field(
+        None, description="set as OTEL_EXPORTER_OTLP_ENDPOINT in member pods"
+    )
+    stats_interval: float = Field(10.0, gt=0, description="seconds between /v1/stats polls")
+    stats_timeout: float = Field(2.0, gt=0, description="per-member /v1/stats timeout, seconds")
+    retry_delay: float = Field(10.0, gt=0, description="seconds before retrying a rolling step")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorConfig:
+        env = os.environ if environ is None else environ
+        values = {
+            name: env[ENV_PREFIX + name.upper()]
+            for name in cls.model_fields
+            if env.get(ENV_PREFIX + name.upper())
+        }
+        return cls.model_validate(values)
+
+    def pod_fingerprint(self) -> dict[str, str | None]:
+        """The settings that end up inside member pods: a change must roll them."""
+        return {"nats_url": self.nats_url, "otlp_endpoint": self.otlp_endpoint}

@@ -1,0 +1,160 @@
+"""kopf handlers for CacheReplica: thin glue between events and the pure builders.
+
+- create / update / resume: check the spec, then converge the Service and members
+  (rolling one member at a time); TemporaryError until the roll settles.
+- a timer: heal missing members, poll every member's /v1/stats, write status.
+- delete: remove the children, then kopf releases the finalizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+from typing import Any
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+
+from . import children, kube, stats
+from .config import OperatorConfig
+from .naming import FINALIZER, GROUP, PLURAL, VERSION
+from .pod import template_hash
+from .spec import SpecError, check
+from .status import build_invalid_status, build_status
+
+CONFIG = OperatorConfig.from_env()
+RESOURCE = (GROUP, VERSION, PLURAL)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _api_error(e: ApiException) -> kopf.TemporaryError:
+    return kopf.TemporaryError(f"Kubernetes API: {e.status} {e.reason}", delay=CONFIG.retry_delay)
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # Our own keys instead of kopf.zalando.org/*, and no status.kopf (the schema prunes it).
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    # The CRD is installed before the operator (chart crds/), and namespaces are named
+    # exactly, so no cluster-wide watch on CRDs or namespaces is needed (nor granted).
+    settings.scanning.disabled = True
+
+
+@kopf.on.login()
+def login(**_: Any) -> kopf.ConnectionInfo:
+    return kube.connection_info(kube.configure())
+
+
+@kopf.on.resume(*RESOURCE)
+@kopf.on.create(*RESOURCE)
+@kopf.on.update(*RESOURCE)
+def reconcile(
+    body: kopf.Body,
+    name: str,
+    namespace: str,
+    uid: str,
+    spec: kopf.Spec,
+    status: kopf.Status,
+    meta: kopf.Meta,
+    patch: kopf.Patch,
+    logger: kopf.Logger,
+    **_: Any,
+) -> None:
+    patch.status["observedGeneration"] = meta.get("generation")
+    try:
+        replica = check(name, spec)
+    except SpecError as e:
+        # Level-based: the timer writes the same status while the spec stays invalid.
+        patch.status.update(build_invalid_status(e.problems, dict(status), _now()))
+        kopf.warn(body, reason="InvalidSpec", message=str(e))
+        raise kopf.PermanentError(f"invalid spec: {e}") from None
+    try:
+        service = children.ensure_service(body, name, namespace, replica)
+        step = children.converge_members(body, name, namespace, uid, replica, CONFIG, roll=True)
+    except ApiException as e:
+        raise _api_error(e) from e
+    except children.ForeignChild as e:
+        # Not ours to fix: say so once per attempt, and look again now and then.
+        kopf.warn(body, reason="NameConflict", message=str(e))
+        raise kopf.TemporaryError(str(e), delay=max(60.0, CONFIG.retry_delay)) from e
+    if service:
+        logger.info(f"Service {service}")
+    if step.create or step.delete:
+        logger.info(f"members: created {step.create}, deleted {step.delete}")
+    if not step.settled:
+        raise kopf.TemporaryError("; ".join(step.waiting), delay=CONFIG.retry_delay)
+
+
+@kopf.timer(*RESOURCE, interval=CONFIG.stats_interval)
+async def refresh_status(
+    body: kopf.Body,
+    name: str,
+    namespace: str,
+    uid: str,
+    spec: kopf.Spec,
+    status: kopf.Status,
+    meta: kopf.Meta,
+    patch: kopf.Patch,
+    logger: kopf.Logger,
+    **_: Any,
+) -> None:
+    try:
+        replica = check(name, spec)
+    except SpecError as e:
+        patch.status.update(build_invalid_status(e.problems, dict(status), _now()))
+        return
+    try:
+        # Bare pods have no controller but us: put back members that vanished (eviction,
+        # node loss, kubectl delete). Creating and rolling stay with the handlers, so
+        # only once they have seen the object (observedGeneration is theirs to write),
+        # and never while it is being deleted.
+        handled = status.get("observedGeneration") is not None
+        if handled and not meta.get("deletionTimestamp"):
+            await asyncio.to_thread(
+                children.converge_members, body, name, namespace, uid, replica, CONFIG, roll=False
+            )
+        pods = await asyncio.to_thread(children.owned_pods, namespace, name, uid)
+    except ApiException as e:
+        logger.warning(f"cannot list members: {e.status} {e.reason}")
+        return
+    urls = {
+        pod["metadata"]["name"]: stats.stats_url(pod["status"]["podIP"], replica.port)
+        for pod in pods
+        if pod.get("status", {}).get("podIP") and not pod["metadata"].get("deletionTimestamp")
+    }
+    polled = await stats.poll(urls, CONFIG.stats_timeout)
+    new_status, restarts = build_status(
+        replica=name,
+        desired=replica.replicas,
+        template_hash=template_hash(replica, CONFIG),
+        pods=pods,
+        stats=polled,
+        previous=dict(status),
+        now=_now(),
+    )
+    patch.status.update(new_status)
+    for restart in restarts:
+        message = (
+            f"member {restart.member} restarted (epoch {restart.old_epoch} -> "
+            f"{restart.new_epoch}): its KV cache starts empty"
+        )
+        logger.info(message)
+        kopf.info(body, reason="MemberRestarted", message=message)
+
+
+@kopf.on.delete(*RESOURCE)
+def remove(name: str, namespace: str, uid: str, logger: kopf.Logger, **_: Any) -> None:
+    # Owner references would let the garbage collector do this too; deleting here makes
+    # the order explicit (members first) and holds the finalizer until it is done.
+    try:
+        removed = children.remove_children(namespace, name, uid)
+    except ApiException as e:
+        raise _api_error(e) from e
+    logger.info(f"removed {removed} child object(s)")

@@ -1,0 +1,148 @@
+"""The few Kubernetes API calls the handlers make, on plain dicts, and the login.
+
+The official client is synchronous: kopf runs sync handlers in its thread pool, and
+the async timer wraps these calls in `asyncio.to_thread`. Responses are read raw
+(`_preload_content=False`) so builders and checks see the same camelCase dicts the
+API serves, never generated model objects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import kopf
+import kubernetes
+from kubernetes.client.exceptions import ApiException
+
+TIMEOUT = 15.0  # seconds per API call; a hung call must not hold a kopf worker forever
+JSON_PATCH = "application/json-patch+json"
+
+
+def configure() -> kubernetes.client.Configuration:
+    """Load credentials into the client's default configuration and return a copy.
+
+    In a pod: the service account. Elsewhere: $KUBECONFIG (or ~/.kube/config), read now,
+    not when `kubernetes` was imported, which is when its own default is captured.
+    """
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None)
+    return kubernetes.client.Configuration.get_default_copy()
+
+
+def connection_info(config: kubernetes.client.Configuration) -> kopf.ConnectionInfo:
+    """Hand kopf's own watcher the credentials the client just loaded, so both agree."""
+    header = config.get_api_key_with_prefix("BearerToken") or config.get_api_key_with_prefix(
+        "authorization"
+    )
+    scheme, token = None, None
+    if header:
+        first, _, rest = header.partition(" ")
+        scheme, token = (first, rest) if rest else (None, first)
+    return kopf.ConnectionInfo(
+        server=config.host,
+        ca_path=config.ssl_ca_cert,
+        insecure=not config.verify_ssl,
+        username=config.username or None,
+        password=config.password or None,
+        scheme=scheme,
+        token=token,
+        certificate_path=config.cert_file,
+        private_key_path=config.key_file,
+    )
+
+
+def _core() -> kubernetes.client.CoreV1Api:
+    # A client per call: cheap, and a re-login (new server or token) takes effect at once.
+    return kubernetes.client.CoreV1Api(kubernetes.client.ApiClient())
+
+
+def _json(response: Any) -> dict[str, Any]:
+    data = response.data
+    return json.loads(data) if data else {}
+
+
+def list_pods(namespace: str, selector: str) -> list[dict[str, Any]]:
+    response = _core().list_namespaced_pod(
+        namespace, label_selector=selector, _preload_content=False, _request_timeout=TIMEOUT
+    )
+    return list(_json(response).get("items") or [])
+
+
+def create_pod(pod: dict[str, Any]) -> bool:
+    """Create; False when a pod of that name already exists (another pass got there)."""
+    try:
+        _core().create_namespaced_pod(
+            pod["metadata"]["namespace"], pod, _preload_content=False, _request_timeout=TIMEOUT
+        )
+    except ApiException as e:
+        if e.status == 409:
+            return False
+        raise
+    return True
+
+
+def delete_pod(namespace: str, name: str) -> bool:
+    """Delete; False when it was already gone."""
+    try:
+        _core().delete_namespaced_pod(
+            name, namespace, _preload_content=False, _request_timeout=TIMEOUT
+        )
+    except ApiException as e:
+        if e.status == 404:
+            return False
+        raise
+    return True
+
+
+def get_service(namespace: str, name: str) -> dict[str, Any] | None:
+    try:
+        response = _core().read_namespaced_service(
+            name, namespace, _preload_content=False, _request_timeout=TIMEOUT
+        )
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+    return _json(response)
+
+
+def create_service(service: dict[str, Any]) -> bool:
+    try:
+        _core().create_namespaced_service(
+            service["metadata"]["namespace"],
+            service,
+            _preload_content=False,
+            _request_timeout=TIMEOUT,
+        )
+    except ApiException as e:
+        if e.status == 409:
+            return False
+        raise
+    return True
+
+
+def patch_service(namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
+    _core().patch_namespaced_service(
+        name,
+        namespace,
+        ops,
+        _content_type=JSON_PATCH,
+        _preload_content=False,
+        _request_timeout=TIMEOUT,
+    )
+
+
+def delete_service(namespace: str, name: str) -> bool:
+    try:
+        _core().delete_namespaced_service(
+            name, namespace, _preload_content=False, _request_timeout=TIMEOUT
+        )
+    except ApiException as e:
+        if e.status == 404:
+            return False
+        raise
+    return True

@@ -1,0 +1,55 @@
+"""Names, labels and annotation keys shared by the builders, the handlers and the chart."""
+
+from __future__ import annotations
+
+GROUP = "cachepoint.dev"
+VERSION = "v1alpha1"
+PLURAL = "cachereplicas"
+KIND = "CacheReplica"
+
+# Every key the operator writes lives under the group, so `kubectl get -l` and RBAC
+# audits can tell our objects and annotations apart from kopf's or Helm's.
+LABEL_REPLICA = f"{GROUP}/replica"
+LABEL_MEMBER = f"{GROUP}/member"
+ANNOTATION_TEMPLATE_HASH = f"{GROUP}/template-hash"
+ANNOTATION_MIN_CACHEABLE = f"{GROUP}/min-cacheable-tokens"
+FINALIZER = f"{GROUP}/finalizer"
+
+CONTAINER = "replica"
+PORT_NAME = "http"
+# The member index is appended as "-<n>", and the pod name doubles as the pod's DNS
+# hostname (a 63-character label), so the CacheReplica name must leave room for it.
+MAX_NAME_LENGTH = 56
+
+
+def member_pod_name(replica: str, index: int) -> str:
+    return f"{replica}-{index}"
+
+
+def service_name(replica: str) -> str:
+    return replica
+
+
+def replica_process_name(namespace: str, pod: str) -> str:
+    """The name a replica announces on NATS: unique across namespaces sharing one bus."""
+    return f"{namespace}-{pod}"
+
+
+def selector_labels(replica: str) -> dict[str, str]:
+    """The labels that pick every member pod of one CacheReplica (Service, scale, list)."""
+    return {LABEL_REPLICA: replica}
+
+
+def selector_string(replica: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in selector_labels(replica).items())
+
+
+def common_labels(replica: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "cachepoint-replica",
+        "app.kubernetes.io/instance": replica,
+        "app.kubernetes.io/component": "replica",
+        "app.kubernetes.io/part-of": "cachepoint",
+        "app.kubernetes.io/managed-by": "cachepoint-operator",
+        **selector_labels(replica),
+    }

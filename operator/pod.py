@@ -1,0 +1,219 @@
+"""Pure builders for one member pod: one replica process with all its TP ranks.
+
+Nothing here talks to the API; the handlers adopt (owner reference, namespace) and
+send what these return. The same inputs always give the same dict.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from .config import OperatorConfig
+from .naming import (
+    ANNOTATION_MIN_CACHEABLE,
+    ANNOTATION_TEMPLATE_HASH,
+    CONTAINER,
+    LABEL_MEMBER,
+    PORT_NAME,
+    common_labels,
+    member_pod_name,
+    replica_process_name,
+    service_name,
+)
+from .spec import ReplicaSpec
+
+GPU_RESOURCE = "nvidia.com/gpu"
+ENV_PREFIX = "CACHEPOINT_REPLICA_"
+
+
+def template_hash(spec: ReplicaSpec, config: OperatorConfig) -> str:
+    """Fingerprint of everything that shapes a member pod; a change means a roll."""
+    payload = {"spec": spec.template_fields(), "operator": config.pod_fingerprint()}
+    blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _field_ref(path: str) -> dict[str, Any]:
+    return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def build_replica_env(
+    *, replica: str, namespace: str, pod: str, spec: ReplicaSpec, config: OperatorConfig
+) -> list[dict[str, Any]]:
+    """The replica's settings as CACHEPOINT_REPLICA_* env, plus NATS, OTLP and pod identity."""
+    settings: dict[str, Any] = {
+        "NAME": replica_process_name(namespace, pod),
+        "HOST": "0.0.0.0",  # reached through the pod IP by probes, the operator and the gateway
+        "PORT": spec.port,
+        "MODEL_NAME": spec.model.name,
+        # Without a weights source the replica runs its small random model (dev clusters).
+        "MODEL_DIR": spec.model.model_dir if spec.model.has_weights else None,
+        "TENSOR_PARALLEL_SIZE": spec.tensor_parallel_size,
+        "DEVICE": "cuda" if spec.gpus_per_pod > 0 else "cpu",
+        "DTYPE": spec.model.dtype,
+        "BLOCK_SIZE": spec.kv.block_size,
+        "GPU_MEMORY_UTILIZATION": spec.kv.gpu_memory_utilization,
+        "RETAINED_SHARE": spec.kv.retained_share,
+        "KV_CACHE_BYTES": spec.kv.cache_bytes,
+        "MAX_MODEL_LEN": spec.model.max_model_len,
+        "MAX_NUM_SEQS": spec.batching.max_num_seqs,
+        "MAX_NUM_BATCHED_TOKENS": spec.batching.max_num_batched_tokens,
+        "MAX_WAITING": spec.batching.max_waiting,
+    }
+    env = [
+        {"name": ENV_PREFIX + key, "value": str(value)}
+        for key, value in settings.items()
+        if value is not None
+    ]
+    if config.nats_url:
+        env.append({"name": "CACHEPOINT_NATS_URL", "value": config.nats_url})
+    if config.otlp_endpoint:
+        env.append({"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": config.otlp_endpoint})
+    attributes = {
+        "service.instance.id": replica_process_name(namespace, pod),
+        "k8s.namespace.name": namespace,
+        "k8s.pod.name": pod,
+        "cachepoint.replica_group": replica,
+    }
+    env += [
+        {"name": "OTEL_SERVICE_NAME", "value": "cachepoint-replica"},
+        {
+            "name": "OTEL_RESOURCE_ATTRIBUTES",
+            "value": ",".join(f"{k}={v}" for k, v in attributes.items()),
+        },
+        # The pod's own address, for a replica that must advertise where it can be reached.
+        {"name": "POD_NAME", **_field_ref("metadata.name")},
+        {"name": "POD_NAMESPACE", **_field_ref("metadata.namespace")},
+        {"name": "POD_IP", **_field_ref("status.podIP")},
+        # What the replica puts in its heartbeats; $(POD_IP) expands from the entry above.
+        {"name": ENV_PREFIX + "ADVERTISE_URL", "value": f"http://$(POD_IP):{spec.port}"},
+    ]
+    # User env comes last and wins over ours with the same name (one entry per name).
+    overridden = {item["name"] for item in spec.env}
+    return [item for item in env if item["name"] not in overridden] + [dict(e) for e in spec.env]
+
+
+def build_resources(spec: ReplicaSpec) -> dict[str, dict[str, int | str]]:
+    resources = {kind: dict(values) for kind, values in spec.resources.items() if values}
+    if spec.gpus_per_pod > 0:
+        # Extended resources cannot overcommit: the request must equal the limit.
+        gpus = str(spec.gpus_per_pod)
+        resources.setdefault("limits", {})[GPU_RESOURCE] = gpus
+        resources.setdefault("requests", {})[GPU_RESOURCE] = gpus
+    return resources
+
+
+def build_model_volume(spec: ReplicaSpec) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """(volume, volumeMount) for the weights, or None when the spec names no source."""
+    model = spec.model
+    mount: dict[str, Any] = {"name": "model", "mountPath": model.model_dir, "readOnly": True}
+    if model.pvc is not None:
+        volume = {
+            "name": "model",
+            "persistentVolumeClaim": {"claimName": model.pvc.claim_name, "readOnly": True},
+        }
+        if model.pvc.sub_path:
+            mount["subPath"] = model.pvc.sub_path
+        return volume, mount
+    if model.host_path is not None:
+        volume = {"name": "model", "hostPath": {"path": model.host_path.path, "type": "Directory"}}
+        return volume, mount
+    return None
+
+
+def build_probes(port_name: str = PORT_NAME) -> dict[str, dict[str, Any]]:
+    return {
+        # Loading weights onto the GPUs can take minutes: the startup probe holds off
+        # liveness until /healthz first answers, for up to 15 minutes.
+        "startupProbe": {
+            "httpGet": {"path": "/healthz", "port": port_name},
+            "periodSeconds": 10,
+            "failureThreshold": 90,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", "port": port_name},
+            "periodSeconds": 10,
+            "timeoutSeconds": 3,
+            "failureThreshold": 3,
+        },
+        "readinessProbe": {
+            "httpGet": {"path": "/readyz", "port": port_name},
+            "periodSeconds": 5,
+            "timeoutSeconds": 3,
+            "failureThreshold": 2,
+        },
+    }
+
+
+def build_replica_pod(
+    *, replica: str, namespace: str, index: int, spec: ReplicaSpec, config: OperatorConfig
+) -> dict[str, Any]:
+    """Member `index` of CacheReplica `replica`: a bare pod the operator owns and replaces."""
+    name = member_pod_name(replica, index)
+    volumes: list[dict[str, Any]] = [
+        # NCCL and torch.distributed exchange through /dev/shm; the runtime's default 64MiB
+        # is too small once there is more than one rank.
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(spec.shm_size)}},
+    ]
+    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    model_volume = build_model_volume(spec)
+    if model_volume is not None:
+        volumes.append(model_volume[0])
+        mounts.append(model_volume[1])
+
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["cachepoint-replica"],
+        "ports": [{"name": PORT_NAME, "containerPort": spec.port, "protocol": "TCP"}],
+        "env": build_replica_env(
+            replica=replica, namespace=namespace, pod=name, spec=spec, config=config
+        ),
+        "resources": build_resources(spec),
+        "volumeMounts": mounts,
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        **build_probes(),
+    }
+    pod_spec: dict[str, Any] = {
+        # hostname + subdomain + the headless Service give each member a stable DNS name:
+        # <pod>.<service>.<namespace>.svc, which survives the pod being replaced.
+        "hostname": name,
+        "subdomain": service_name(replica),
+        "restartPolicy": "Always",
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+        "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
+    if spec.priority_class_name:
+        pod_spec["priorityClassName"] = spec.priority_class_name
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [dict(s) for s in spec.image_pull_secrets]
+
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {**common_labels(replica), LABEL_MEMBER: str(index)},
+            "annotations": {
+                ANNOTATION_TEMPLATE_HASH: template_hash(spec, config),
+                # The replica has no setting for it: the gateway applies the minimum.
+                # Recorded here so `kubectl describe` shows what this group was declared with.
+                ANNOTATION_MIN_CACHEABLE: str(spec.kv.min_cacheable_tokens),
+            },
+        },
+        "spec": pod_spec,
+    }

@@ -1,0 +1,139 @@
+"""The CacheReplica spec as the operator reads it, and the checks beyond the schema.
+
+The CRD's openAPIV3Schema is the source of truth for bounds and defaults; this model
+repeats them so the operator behaves the same against an API server that did not
+apply them (a unit test keeps the two in step). `spec_problems` is the admission
+check: anything it reports becomes a Degraded condition and a PermanentError.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.alias_generators import to_camel
+
+from .naming import MAX_NAME_LENGTH
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+class _Spec(BaseModel):
+    # extra="ignore": a real API server prunes unknown fields; stay as lenient here.
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+
+class PvcSource(_Spec):
+    claim_name: str = Field(min_length=1)
+    sub_path: str | None = None
+
+
+class HostPathSource(_Spec):
+    path: str = Field(pattern=r"^/")
+
+
+class ModelSpec(_Spec):
+    name: str = Field(min_length=1, max_length=253)
+    model_dir: str = Field("/models", pattern=r"^/")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    pvc: PvcSource | None = None
+    host_path: HostPathSource | None = None
+    num_attention_heads: int | None = Field(None, ge=1)
+    num_key_value_heads: int | None = Field(None, ge=1)
+    max_model_len: int | None = Field(None, ge=16)
+
+    @property
+    def has_weights(self) -> bool:
+        return self.pvc is not None or self.host_path is not None
+
+
+class KVSpec(_Spec):
+    block_size: int = Field(16, ge=1, le=1024)
+    gpu_memory_utilization: float = Field(0.9, ge=0.01, le=1.0)
+    retained_share: float = Field(0.5, ge=0.0, le=1.0)
+    min_cacheable_tokens: int = Field(1024, ge=0)
+    cache_bytes: int | str | None = None
+
+
+class BatchingSpec(_Spec):
+    max_num_seqs: int | None = Field(None, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=16)
+    max_waiting: int | None = Field(None, ge=0)
+
+
+class ReplicaSpec(_Spec):
+    replicas: int = Field(1, ge=0, le=64)
+    image: str = Field(min_length=1)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    image_pull_secrets: list[dict[str, str]] = Field(default_factory=list)
+    model: ModelSpec
+    tensor_parallel_size: int = Field(1, ge=1, le=16)
+    gpus_per_pod: int = Field(1, ge=0, le=16)
+    kv: KVSpec = Field(default_factory=KVSpec)
+    batching: BatchingSpec = Field(default_factory=BatchingSpec)
+    port: int = Field(8100, ge=1, le=65535)
+    shm_size: int | str = "1Gi"
+    resources: dict[str, dict[str, int | str]] = Field(default_factory=dict)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    priority_class_name: str | None = None
+    env: list[dict[str, Any]] = Field(default_factory=list)
+
+    def template_fields(self) -> dict[str, Any]:
+        """Everything that shapes a member pod: all of the spec except the member count."""
+        return self.model_dump(by_alias=True, mode="json", exclude={"replicas"})
+
+
+class SpecError(ValueError):
+    """A spec that can never run. Carries every problem found, for the condition message."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+def parse_spec(raw: Mapping[str, Any]) -> ReplicaSpec:
+    try:
+        return ReplicaSpec.model_validate(dict(raw))
+    except ValidationError as e:
+        problems = [
+            f"spec.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()
+        ]
+        raise SpecError(problems) from None
+
+
+def spec_problems(name: str, spec: ReplicaSpec) -> list[str]:
+    """What the schema cannot express; an empty list means the spec can run."""
+    problems: list[str] = []
+    if len(name) > MAX_NAME_LENGTH or not _DNS_LABEL.match(name):
+        problems.append(
+            f"name {name!r} must be a DNS label of at most {MAX_NAME_LENGTH} characters "
+            "(member pods use it as their hostname)"
+        )
+    tp, gpus = spec.tensor_parallel_size, spec.gpus_per_pod
+    # TP ranks are local processes in one pod, one GPU each; on CPU (0 GPUs) they share cores.
+    if gpus > 0 and tp > gpus:
+        problems.append(
+            f"tensorParallelSize {tp} needs {tp} GPUs in one pod but gpusPerPod is {gpus}"
+        )
+    heads = {
+        "numAttentionHeads": spec.model.num_attention_heads,
+        "numKeyValueHeads": spec.model.num_key_value_heads,
+    }
+    for field, count in heads.items():
+        if count is not None and count % tp:
+            problems.append(f"tensorParallelSize {tp} does not divide model.{field} {count}")
+    if spec.model.pvc is not None and spec.model.host_path is not None:
+        problems.append("model.pvc and model.hostPath are exclusive: give one weights source")
+    return problems
+
+
+def check(name: str, raw: Mapping[str, Any]) -> ReplicaSpec:
+    """Parse and check a spec; raise SpecError listing everything wrong with it."""
+    spec = parse_spec(raw)
+    problems = spec_problems(name, spec)
+    if problems:
+        raise SpecError(problems)
+    return spec

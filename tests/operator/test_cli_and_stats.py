@@ -1,0 +1,71 @@
+"""The operator's command line, its env settings, and the stats client over real HTTP."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from cachepoint.operator.config import OperatorConfig
+from cachepoint.operator.main import parse_args
+from cachepoint.operator.stats import ReplicaStats, poll, stats_url
+
+from .conftest import StatsServer
+
+
+def test_help_runs_without_a_cluster() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "cachepoint.operator.main", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert "--all-namespaces" in result.stdout
+    assert "--namespace" in result.stdout
+
+
+def test_scope_flags() -> None:
+    options = parse_args(["-n", "a", "--namespace", "b", "--verbose"])
+    assert (options.namespaces, options.clusterwide, options.verbose) == (["a", "b"], False, True)
+    options = parse_args(["-A", "--liveness", "http://0.0.0.0:8080/healthz"])
+    assert (options.clusterwide, options.standalone) == (True, True)
+    assert options.liveness_endpoint == "http://0.0.0.0:8080/healthz"
+    assert parse_args(["-A", "--peering", "cachepoint"]).standalone is False
+    with pytest.raises(SystemExit):
+        parse_args([])  # a scope is required: never watch everything by accident
+    with pytest.raises(SystemExit):
+        parse_args(["-A", "-n", "a"])
+
+
+def test_config_from_env() -> None:
+    env = {
+        "CACHEPOINT_OPERATOR_NATS_URL": "nats://n:4222",
+        "CACHEPOINT_OPERATOR_STATS_INTERVAL": "2.5",
+        "UNRELATED": "x",
+    }
+    config = OperatorConfig.from_env(env)
+    assert (config.nats_url, config.stats_interval, config.otlp_endpoint) == (
+        "nats://n:4222",
+        2.5,
+        None,
+    )
+
+
+def test_stats_url_brackets_ipv6() -> None:
+    assert stats_url("10.1.2.3", 8100) == "http://10.1.2.3:8100/v1/stats"
+    assert stats_url("fd00::5", 8100) == "http://[fd00::5]:8100/v1/stats"
+
+
+async def test_poll_reads_members_and_reports_failures(stats_server: StatsServer) -> None:
+    urls = {
+        "r-0": stats_url("127.0.0.1", stats_server.port),
+        "r-1": f"http://127.0.0.1:{stats_server.port}/nothing-here",
+    }
+    results = await poll(urls, timeout=2.0)
+    assert isinstance(results["r-0"], ReplicaStats)
+    assert results["r-0"].epoch == 1
+    assert results["r-0"].blocks.cached_free == 300
+    assert isinstance(results["r-1"], str)
+    assert "404" in results["r-1"]
