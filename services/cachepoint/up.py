@@ -1,0 +1,120 @@
+"""`cachepoint up`: start the embedded stack, print how to use it, serve until Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import time
+from pathlib import Path
+from types import FrameType
+
+from rich.console import Console
+
+from .stack import Stack, StackError
+
+SNIPPET = """import anthropic
+client = anthropic.Anthropic(base_url="{base_url}", api_key="{api_key}")
+hello = {{"type": "text", "text": "Hello!", "cache_control": {{"type": "ephemeral"}}}}
+msg = client.messages.create(model="cachepoint-tiny", max_tokens=32,
+                             messages=[{{"role": "user", "content": [hello]}}])
+print(msg.usage)"""
+
+
+def add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    up = sub.add_parser(
+        "up",
+        help="start the embedded stack: NATS, replicas on the CPU, the gateway",
+        description=(
+            "Start nats-server, N replicas (the tiny model on the CPU unless --model-dir) and "
+            "the gateway with a SQLite ledger, all under --state-dir. Creates a demo org with "
+            "an API key and an admin key, writes them to STATE_DIR/endpoint.json, and serves "
+            "until Ctrl-C, which stops every process."
+        ),
+    )
+    up.add_argument("--replicas", type=int, default=2, help="replicas to start (default 2)")
+    up.add_argument("--port", type=int, default=8080, help="gateway port (default 8080)")
+    up.add_argument("--model-dir", type=Path, help="HF Llama folder (default: tiny random model)")
+    up.add_argument("--kv-budget", default="64MiB", help="KV memory per replica (default 64MiB)")
+    up.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path(".cachepoint"),
+        help="where logs, the ledger and endpoint.json go (default ./.cachepoint)",
+    )
+    up.add_argument(
+        "--min-cacheable-tokens",
+        type=int,
+        default=1024,
+        help="shorter prefixes are not cached (default 1024)",
+    )
+    up.add_argument(
+        "--demo",
+        action="store_true",
+        help="replay an agent-style session through the SDK once the stack is up",
+    )
+    up.add_argument("--turns", type=int, default=12, help="turns in the demo session (default 12)")
+    up.add_argument(
+        "--exit-after-demo",
+        action="store_true",
+        help="stop the stack after the demo instead of serving on",
+    )
+
+
+def run_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.replicas < 1:
+        parser.error("--replicas must be at least 1")
+    # NOTE: piped output has no width; keep keys and tables whole for scripts and logs.
+    console = Console(width=None if Console().is_terminal else 140)
+    stack = Stack(
+        state_dir=args.state_dir,
+        replicas=args.replicas,
+        port=args.port,
+        model_dir=args.model_dir,
+        kv_budget=args.kv_budget,
+        min_cacheable_tokens=args.min_cacheable_tokens,
+    )
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        with console.status("starting") as status:
+            stack.start(progress=lambda msg: status.update(msg))
+    except StackError as exc:
+        console.print(f"[red]cachepoint up: {exc}[/red]")
+        return 1
+    except KeyboardInterrupt:
+        stack.stop()
+        return 130
+    try:
+        ep = stack.endpoint()
+        console.print(f"[bold green]Cachepoint is up[/bold green] at {ep['base_url']}")
+        console.print(f"  API key   {ep['api_key']}")
+        console.print(f"  admin key {ep['admin_key']}")
+        console.print(
+            f"  replicas  {', '.join(r['name'] for r in ep['replicas'])}; NATS {ep['nats_url']}"
+        )
+        console.print(f"  endpoint  {args.state_dir / 'endpoint.json'} (keys and URLs for scripts)")
+        console.print("Try it:")
+        console.print(SNIPPET.format(**ep), markup=False, highlight=False, soft_wrap=True)
+        if args.demo:
+            from .demo_session import print_report, run_session
+
+            print_report(run_session(ep["base_url"], ep["api_key"], args.turns, console), console)
+            if args.exit_after_demo:
+                return 0
+        console.print("Serving; press Ctrl-C to stop.")
+        while True:
+            failed = stack.failed_child()
+            if failed is not None:
+                console.print(
+                    f"[red]{failed.name} exited ({failed.proc.returncode}); see {failed.log}[/red]"
+                )
+                return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        console.print("stopping…")
+        return 0
+    finally:
+        stack.stop()

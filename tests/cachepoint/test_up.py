@@ -1,0 +1,114 @@
+"""`cachepoint up` as a newcomer runs it: real processes, real NATS, the SDK demo."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+CMD = [sys.executable, "-m", "cachepoint.cli", "up"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); check its state.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+@pytest.mark.slow
+def test_up_demo_end_to_end(tmp_path, free_port):
+    port = free_port()
+    state = tmp_path / "state"
+    r = subprocess.run(
+        [
+            *CMD,
+            "--state-dir",
+            str(state),
+            "--port",
+            str(port),
+            "--demo",
+            "--turns",
+            "4",
+            "--exit-after-demo",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Cachepoint is up" in r.stdout
+    assert "saved" in r.stdout
+    ep = json.loads((state / "endpoint.json").read_text())
+    assert set(ep) >= {"base_url", "api_key", "admin_key", "org", "nats_url", "db_url", "replicas"}
+    assert len(ep["replicas"]) == 2
+    assert ep["api_key"] in r.stdout
+    time.sleep(0.5)
+    assert not [n for n, pid in ep["pids"].items() if _alive(pid)], "orphan processes left"
+
+
+@pytest.mark.slow
+def test_up_serves_until_ctrl_c(tmp_path, free_port):
+    port = free_port()
+    state = tmp_path / "state"
+    proc = subprocess.Popen(
+        [*CMD, "--state-dir", str(state), "--port", str(port), "--replicas", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 180
+        while not (state / "endpoint.json").exists():
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.time() < deadline
+            time.sleep(0.2)
+        ep = json.loads((state / "endpoint.json").read_text())
+        r = httpx.post(
+            f"{ep['base_url']}/v1/messages",
+            headers={"x-api-key": ep["api_key"]},
+            json={
+                "model": "cachepoint-tiny",
+                "max_tokens": 2,
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert not [n for n, pid in ep["pids"].items() if _alive(pid)], "orphan processes left"
+
+
+def test_up_port_in_use_is_a_clear_error(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = subprocess.run(
+            [*CMD, "--state-dir", str(tmp_path), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert r.returncode == 1
+    assert f"port {port} is already in use" in r.stdout
+    assert "Traceback" not in r.stdout + r.stderr
+
+
+def test_up_help_documents_the_flags():
+    out = subprocess.run([*CMD, "--help"], capture_output=True, text=True, check=True).stdout
+    for flag in ("--replicas", "--model-dir", "--port", "--demo"):
+        assert flag in out
