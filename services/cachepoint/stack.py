@@ -84,6 +84,8 @@ class Stack:
     model_dir: Path | None = None
     kv_budget: str = "64MiB"
     min_cacheable_tokens: int = 1024
+    routing_policy: str = "cache_aware"
+    model_preset: str = "tiny"
     children: list[Child] = field(default_factory=list)
     nats_url: str = ""
     keys: dict[str, str] = field(default_factory=dict)
@@ -143,6 +145,8 @@ class Stack:
                     url,
                     "--kv-budget",
                     self.kv_budget,
+                    "--model-preset",
+                    self.model_preset,
                     "--log-level",
                     "warning",
                 ]
@@ -166,6 +170,8 @@ class Stack:
                 self.nats_url,
                 "--min-cacheable-tokens",
                 str(self.min_cacheable_tokens),
+                "--routing-policy",
+                self.routing_policy,
                 "--log-level",
                 "warning",
             ]

@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="HTTP port (default 8100; 0 = any free port)")
     p.add_argument("--model-dir", type=Path, help="HF Llama folder (config.json, safetensors)")
     p.add_argument("--model-name", help="model id reported to the gateway")
+    p.add_argument(
+        "--model-preset", choices=["tiny", "small"], help="random model size (default tiny)"
+    )
     p.add_argument("--tp", type=int, dest="tensor_parallel_size", help="tensor-parallel ranks")
     p.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
     p.add_argument("--dtype", help="auto | float32 | bfloat16 | float16")

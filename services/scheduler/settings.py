@@ -36,6 +36,11 @@ class ReplicaSettings(BaseSettings):
     port: int = Field(8100, ge=0, le=65535, description="HTTP port (0 = any free port)")
     model_dir: Path | None = Field(None, description="HF Llama checkpoint folder; None = tiny")
     model_name: str = Field("cachepoint-tiny", description="model id reported to the gateway")
+    model_preset: str = Field(
+        "tiny",
+        pattern="^(tiny|small)$",
+        description="random-weight model size without model_dir: tiny (2x64) or small (4x256)",
+    )
     seed: int = Field(0, description="seed for random weights when no model_dir is given")
     tensor_parallel_size: int = Field(1, ge=1, description="ranks that split heads")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")

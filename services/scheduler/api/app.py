@@ -9,7 +9,7 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from cachepoint.engine import Engine, EngineConfig
+from cachepoint.engine import Engine, EngineConfig, ModelConfig
 
 from ..bus import NatsBus
 from ..metrics import ReplicaMetrics
@@ -31,7 +31,18 @@ def build_engine(settings: ReplicaSettings) -> Engine:
         tensor_parallel_size=settings.tensor_parallel_size,
     )
     model_dir = Path(settings.model_dir) if settings.model_dir else None
-    return Engine(config=config, model_dir=model_dir, seed=settings.seed)
+    model = None if model_dir else PRESETS[settings.model_preset]()
+    return Engine(model, config=config, model_dir=model_dir, seed=settings.seed)
+
+
+# NOTE: "small" makes prefill cost visible on a CPU (benchmarks, demos) while still
+# starting in seconds; "tiny" keeps tests fast.
+PRESETS = {
+    "tiny": ModelConfig.tiny,
+    "small": lambda: ModelConfig.tiny(
+        num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4, intermediate_size=768
+    ),
+}
 
 
 def create_app(
