@@ -7,7 +7,10 @@ from contextlib import asynccontextmanager
 
 import httpx
 from fastapi import FastAPI
+from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
 
+from cachepoint.telemetry import Telemetry, configure
 from cachepoint.tokenizer import load_tokenizer
 
 from .api import errors
@@ -24,9 +27,16 @@ from .state import GatewayState
 from .upstream import Router
 
 
-def create_app(settings: GatewaySettings, router: Router | None = None) -> FastAPI:
+def create_app(
+    settings: GatewaySettings,
+    router: Router | None = None,
+    *,
+    telemetry: Telemetry | None = None,
+) -> FastAPI:
     """The app migrates the database on startup. Pass ``router`` to choose replicas some
-    other way than round-robin over ``settings.replica_urls``."""
+    other way than the directory's policy, and ``telemetry`` to trace somewhere other
+    than the CACHEPOINT_TELEMETRY_* settings say."""
+    tel = telemetry or configure("cachepoint-gateway")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -35,6 +45,8 @@ def create_app(settings: GatewaySettings, router: Router | None = None) -> FastA
         timeout = httpx.Timeout(settings.upstream_timeout_s, connect=5.0)
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+            if tel.enabled:
+                HTTPXClientInstrumentor().instrument_client(http, tracer_provider=tel.provider)
             directory = ReplicaDirectory(heartbeat_interval_s=settings.heartbeat_interval_s)
             bus = GatewayBus(directory, settings.nats_url, http, seed_urls=settings.replica_urls)
             chosen = router or DirectoryRouter(
@@ -49,15 +61,27 @@ def create_app(settings: GatewaySettings, router: Router | None = None) -> FastA
                 sessions=make_sessionmaker(engine),
                 renderer=Renderer(load_tokenizer(settings.model_dir)),
                 router=chosen,
+                tracer=tel.tracer,
             )
             app.state.directory = directory
             app.state.bus = bus
+            app.state.gateway.metrics.watch_plane(
+                lambda: {
+                    "lag_s": bus.lag_s,
+                    "resyncs": directory.resyncs,
+                    "heartbeat_misses": directory.heartbeat_misses,
+                    "live": sum(v.live for v in directory.views()),
+                }
+            )
+            bus.tracer = tel.tracer
             await bus.start()
             try:
                 yield
             finally:
                 await bus.stop()
                 engine.dispose()
+                if telemetry is None:
+                    tel.shutdown()
 
     app = FastAPI(
         title="Cachepoint gateway",
@@ -69,4 +93,10 @@ def create_app(settings: GatewaySettings, router: Router | None = None) -> FastA
     for module in (messages, models, reports, health):
         app.include_router(module.router)
     app.add_middleware(RequestIdMiddleware, max_body_bytes=settings.max_body_bytes)
+    if tel.enabled:
+        # NOTE: the ASGI "receive"/"send" child spans only repeat the server span's
+        # timing; dropping them keeps a request's waterfall readable.
+        FastAPIInstrumentor.instrument_app(
+            app, tracer_provider=tel.provider, exclude_spans=["receive", "send"]
+        )
     return app

@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 
 import httpx
 import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from opentelemetry import propagate, trace
+from opentelemetry.trace import Link, SpanKind
 
 from cachepoint.events import schema
 from cachepoint.events.subjects import HEARTBEAT, KV_ALL, snapshot_subject
@@ -46,6 +49,8 @@ class GatewayBus:
         self.stale_batches = 0  # undecodable or unknown-version messages dropped
         self._tasks: list[asyncio.Task[None]] = []
         self._resyncing: set[str] = set()
+        self.tracer: trace.Tracer = trace.NoOpTracer()  # set by the app when tracing is on
+        self.lag_s = 0.0  # publish-to-apply delay of the last batch (event lag)
 
     async def start(self) -> None:
         await self._poll_stats()  # know the static replicas before the first request
@@ -108,7 +113,27 @@ class GatewayBus:
             self.stale_batches += 1
             log.warning("dropping kv message on %s: %s", msg.subject, exc)
             return
-        if self.directory.on_batch(batch):
+        # NOTE: a CONSUMER span in its own trace, linked to the replica's PRODUCER span:
+        # one batch serves many requests, so it is not any one request's child.
+        producer = trace.get_current_span(propagate.extract(msg.headers or {})).get_span_context()
+        links = [Link(producer)] if producer.is_valid else []
+        with self.tracer.start_as_current_span(
+            f"{msg.subject} process", kind=SpanKind.CONSUMER, links=links
+        ) as span:
+            self.lag_s = max(0.0, time.time() - batch.ts)
+            gap = self.directory.on_batch(batch)
+            span.set_attributes(
+                {
+                    "messaging.system": "nats",
+                    "messaging.operation.type": "process",
+                    "messaging.destination.name": msg.subject,
+                    "cachepoint.kv.seq": batch.seq,
+                    "cachepoint.kv.events": len(batch.events),
+                    "cachepoint.kv.lag_s": self.lag_s,
+                    "cachepoint.kv.gap": gap,
+                }
+            )
+        if gap:
             self._spawn_resync(batch.replica)
 
     async def _on_heartbeat(self, msg: Msg) -> None:

@@ -58,3 +58,6 @@ class DirectoryRouter:
 
     def report_failure(self, name: str) -> None:
         self.directory.mark_down(name)
+
+    def freshness_s(self, name: str) -> float | None:
+        return self.directory.freshness_s(name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from opentelemetry import trace
 from sqlalchemy.orm import Session, sessionmaker
 
 from .contract.billing import Price, cost_micros
@@ -22,6 +23,7 @@ class GatewayState:
     sessions: sessionmaker[Session]
     renderer: Renderer
     router: Router
+    tracer: trace.Tracer = field(default_factory=trace.NoOpTracer)
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     # key hash -> (context or None, monotonic expiry): keeps auth off the DB per request
     _auth_cache: dict[str, tuple[KeyContext | None, float]] = field(default_factory=dict)
@@ -52,12 +54,14 @@ class GatewayState:
         with self.sessions() as session:
             return price_for(session, model, self.default_price)
 
-    def bill(self, charge: Charge) -> bool:
-        """Write the usage row (idempotent by request id). Runs in a worker thread."""
+    def bill(self, charge: Charge) -> int | None:
+        """Write the usage row (idempotent by request id); runs in a worker thread.
+        Returns the cost in micro-dollars, or None if this request was already billed."""
         with self.sessions() as session:
             price = price_for(session, charge.model, self.default_price)
             inserted = record(session, charge, price)
-        if inserted:
-            cost = cost_micros(charge.buckets, price)
-            self.metrics.billed(charge.org_id, charge.model, charge.buckets, cost)
-        return inserted
+        if not inserted:
+            return None
+        cost = cost_micros(charge.buckets, price)
+        self.metrics.billed(charge.org_id, charge.model, charge.buckets, cost)
+        return cost

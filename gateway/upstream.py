@@ -111,3 +111,6 @@ class Router(Protocol):
 
     def report_failure(self, name: str) -> None:
         """A call to ``name`` failed at the transport; route elsewhere meanwhile."""
+
+    def freshness_s(self, name: str) -> float | None:
+        """Seconds since ``name``'s prefix index last changed (None if unknown)."""

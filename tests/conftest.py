@@ -113,3 +113,28 @@ def nats_server(tmp_path) -> Iterator[NatsServer]:
     server.start()
     yield server
     server.stop()
+
+
+def _seed(tmp_path) -> tuple[str, dict[str, str]]:
+    from cachepoint.gateway.db.migrate import upgrade
+    from cachepoint.gateway.db.session import make_engine, make_sessionmaker
+    from cachepoint.gateway.tenants import create_key, create_org
+
+    db = f"sqlite:///{tmp_path}/gw.db"
+    engine = make_engine(db)
+    upgrade(engine)
+    keys = {}
+    with make_sessionmaker(engine)() as s:
+        for name in ("a", "b"):
+            org = create_org(s, name)
+            keys[name] = create_key(s, org)[1]
+            keys[f"{name}-admin"] = create_key(s, org, admin=True)[1]
+        s.commit()
+    engine.dispose()
+    return db, keys
+
+
+@pytest.fixture
+def seeded_db(tmp_path):
+    """A migrated SQLite ledger with orgs a and b: (url, {a, a-admin, b, b-admin} keys)."""
+    return _seed(tmp_path)

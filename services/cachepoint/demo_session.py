@@ -69,6 +69,7 @@ class Turn:
     cost_micros: int
     uncached_micros: int
     ttft_s: float
+    request_id: str
 
 
 def _user_turn(i: int, tool_id: str | None) -> dict[str, Any]:
@@ -132,6 +133,7 @@ def run_session(
                         ttft = time.perf_counter() - t0
                 final = stream.get_final_message()
                 replica = stream.response.headers.get("cachepoint-replica", "?")
+                request_id = stream.response.headers.get("request-id", "")
             u = final.usage
             cc = u.cache_creation
             w5 = cc.ephemeral_5m_input_tokens if cc else 0
@@ -155,6 +157,7 @@ def run_session(
                     cost_micros(b, price),
                     uncached_cost_micros(b, price),
                     ttft,
+                    request_id,
                 )
             )
             tool_id = f"toolu_{i:04d}"

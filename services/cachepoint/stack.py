@@ -43,6 +43,8 @@ def free_port() -> int:
 
 def port_in_use(port: int) -> bool:
     with socket.socket() as s:
+        # Like uvicorn: a port whose last connections are in TIME_WAIT is free to bind.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -193,7 +195,11 @@ class Stack:
     def _spawn(self, name: str, args: list[str], url: str) -> None:
         log = self.state_dir / "logs" / f"{name}.log"
         fh: IO[bytes] = open(log, "wb")  # noqa: SIM115 - the child owns it until it exits
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "CACHEPOINT_TELEMETRY_TRACES_DIR": str((self.state_dir / "traces").resolve()),
+        }
         proc = subprocess.Popen(
             args, stdout=fh, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
         )

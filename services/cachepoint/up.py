@@ -101,7 +101,13 @@ def run_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if args.demo:
             from .demo_session import print_report, run_session
 
-            print_report(run_session(ep["base_url"], ep["api_key"], args.turns, console), console)
+            turns = run_session(ep["base_url"], ep["api_key"], args.turns, console)
+            print_report(turns, console)
+            from .traces_cmd import show
+
+            last = turns[-1].request_id
+            console.print(f"The last turn's trace (cachepoint traces {last}):")
+            show(args.state_dir / "traces", last, console, wait_s=5.0)
             if args.exit_after_demo:
                 return 0
         console.print("Serving; press Ctrl-C to stop.")

@@ -16,6 +16,8 @@ import time
 import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind
 
 from cachepoint.events import schema
 from cachepoint.events.subjects import HEARTBEAT, kv_subject, snapshot_subject
@@ -46,8 +48,9 @@ class NatsBus:
         self.published = 0  # batches handed to NATS
         self.lost = 0  # batches that never left (NATS down, or the test hook)
         self.nc: Client | None = None
-        self._queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[str, bytes, dict[str, str]]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
+        self.tracer: trace.Tracer = trace.NoOpTracer()  # set by the app when tracing is on
 
     # ------------------------------------------------------------ lifecycle
 
@@ -107,18 +110,33 @@ class NatsBus:
             ts=time.time(),
             events=schema.to_wire(events),
         )
+        subject = kv_subject(self.scheduler.name)
+        headers: dict[str, str] = {}
+        with self.tracer.start_as_current_span(
+            f"{subject} publish", kind=SpanKind.PRODUCER
+        ) as span:
+            span.set_attributes(
+                {
+                    "messaging.system": "nats",
+                    "messaging.operation.type": "send",
+                    "messaging.destination.name": subject,
+                    "cachepoint.kv.seq": self.seq,
+                    "cachepoint.kv.events": len(events),
+                }
+            )
+            propagate.inject(headers)
         # NOTE: one sender task keeps batches in seq order on the wire.
-        self._queue.put_nowait((kv_subject(self.scheduler.name), schema.encode(batch)))
+        self._queue.put_nowait((subject, schema.encode(batch), headers))
 
     async def _sender(self) -> None:
         while True:
-            subject, payload = await self._queue.get()
+            subject, payload, headers = await self._queue.get()
             nc = self.nc
             if nc is None or nc.is_closed:
                 self.lost += 1
                 continue
             try:
-                await nc.publish(subject, payload)
+                await nc.publish(subject, payload, headers=headers or None)
                 self.published += 1
             except Exception as exc:  # reconnect buffer full, connection closing, ...
                 self.lost += 1

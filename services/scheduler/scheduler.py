@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 
 from cachepoint.engine import (
     DecodeRequest,
@@ -128,6 +131,7 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self.tracer: trace.Tracer = trace.NoOpTracer()  # set by the app when tracing is on
 
     # ------------------------------------------------------------ lifecycle
 
@@ -215,6 +219,7 @@ class Scheduler:
             done=loop.create_future(),
             stopper=StopChecker(self.engine.tokenizer, params.stop),
             generator=make_generator(params, self.engine.device),
+            otel_ctx=otel_context.get_current(),
         )
         self._ids.add(request_id)
         self.waiting.append(seq)
@@ -290,6 +295,7 @@ class Scheduler:
             seq.status = SeqStatus.PREFILLING
             seq.t_admit = time.perf_counter()
             self.running.append(seq)
+            self._trace_admission(seq)
 
     def _schedule(self) -> StepBatch:
         """Decodes first (one token each), then prefill chunks in the remaining budget,
@@ -314,8 +320,27 @@ class Scheduler:
                 budget -= chunk
         return batch
 
+    def _trace_admission(self, seq: SequenceState) -> None:
+        assert seq.plan is not None
+        assert seq.alloc is not None
+        admit = self.tracer.start_span("admit", context=seq.otel_ctx, start_time=seq.t_submit_ns)
+        admit.set_attributes(
+            {
+                "cachepoint.admit.hash_blocks": len(seq.plan.block_hashes),
+                "cachepoint.admit.engine_hit_tokens": seq.alloc.num_cached_tokens,
+                "cachepoint.admit.entry_hit_tokens": seq.plan.entry_hit_tokens,
+                "cachepoint.admit.queue_wait_s": seq.t_admit - seq.t_submit,
+                "cachepoint.replica": self.name,
+                "cachepoint.epoch": self.epoch,
+            }
+        )
+        admit.end()
+        seq.prefill_span = self.tracer.start_span("prefill", context=seq.otel_ctx)
+
     def _advance(self, batch: StepBatch, out: StepOutput) -> None:
         sampled: list[tuple[SequenceState, torch.Tensor]] = []
+        for seq, _ in batch.prefills:
+            seq.max_batch = max(seq.max_batch, len(batch.prefills) + len(batch.decodes))
         for i, (seq, req) in enumerate(batch.prefills):
             seq.num_computed = len(req.token_ids)
             if seq.num_computed == seq.prompt_len:
@@ -334,8 +359,21 @@ class Scheduler:
         """Write-then-publish, then the managed entries at the breakpoints."""
         assert seq.alloc is not None
         assert seq.plan is not None
-        seq.alloc.commit()
-        admission.write_entries(self.manager, seq.plan)
+        self._end_prefill_span(seq, None)
+        with self.tracer.start_as_current_span("publish", context=seq.otel_ctx) as span:
+            stored = seq.alloc.commit()
+            admission.write_entries(self.manager, seq.plan)
+            # Publish now, inside this span, so the NATS message carries its context.
+            events = self.manager.take_events()
+            if events:
+                self.sink.publish(self.epoch, events)
+            span.set_attributes(
+                {
+                    "cachepoint.publish.blocks_stored": stored,
+                    "cachepoint.publish.events": len(events),
+                    "cachepoint.publish.entries_written": len(seq.plan.written),
+                }
+            )
         w5m, w1h = admission.written_tokens(seq.plan)
         hit = seq.alloc.num_cached_tokens
         seq.cache = CacheReport(
@@ -351,7 +389,28 @@ class Scheduler:
         )
         seq.status = SeqStatus.DECODING
         seq.t_first = time.perf_counter()
+        seq.decode_span = self.tracer.start_span("decode", context=seq.otel_ctx)
         seq.stream.put_nowait(PrefillDone(seq.cache))
+
+    def _end_prefill_span(self, seq: SequenceState, error: Exception | None) -> None:
+        span, seq.prefill_span = seq.prefill_span, None
+        if span is None:
+            return
+        hit = seq.alloc.num_cached_tokens if seq.alloc is not None else 0
+        span.set_attributes(
+            {
+                "cachepoint.prefill.computed_tokens": seq.num_computed - hit,
+                "cachepoint.prefill.cached_tokens": hit,
+                "cachepoint.prefill.device": str(self.engine.device),
+                "cachepoint.prefill.batch_size": seq.max_batch,
+                "cachepoint.prefill.tensor_parallel_size": self.settings.tensor_parallel_size,
+            }
+        )
+        if error is not None:
+            span.set_attribute("cachepoint.aborted", True)
+            span.record_exception(error)
+            span.set_status(Status(StatusCode.ERROR, str(error)))
+        span.end()
 
     def _append_token(self, seq: SequenceState, token: int) -> None:
         seq.output.append(token)
@@ -370,6 +429,14 @@ class Scheduler:
     def _finish(self, seq: SequenceState, error: Exception | None = None) -> None:
         if seq.status is SeqStatus.FINISHED:
             return
+        self._end_prefill_span(seq, error or CancelledRequestError("finished before commit"))
+        if seq.decode_span is not None:
+            seq.decode_span.set_attribute("gen_ai.usage.output_tokens", len(seq.output))
+            if error is not None:
+                seq.decode_span.record_exception(error)
+                seq.decode_span.set_status(Status(StatusCode.ERROR, str(error)))
+            seq.decode_span.end()
+            seq.decode_span = None
         if seq.alloc is not None:
             seq.alloc.close()  # abort if the prefill never committed, else free
         if seq in self.running:

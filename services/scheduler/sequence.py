@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from opentelemetry.context import Context
+from opentelemetry.trace import Span
 
 from cachepoint.engine import SamplingParams, StopChecker
 from cachepoint.kvcore import Allocation
@@ -59,6 +61,11 @@ class SequenceState:
     stop_reason: str | None = None  # end_turn | max_tokens | stop_sequence
     cache: CacheReport | None = None  # final after commit
     cancelled: bool = False  # client went away; finish at the next step boundary
+    otel_ctx: Context | None = None  # the request's trace context (its server span)
+    prefill_span: Span | None = None  # open from admission to commit (or abort)
+    decode_span: Span | None = None  # open from the first token to the end
+    max_batch: int = 0  # the most sequences prefilled in one step with this one
+    t_submit_ns: int = field(default_factory=time.time_ns)  # wall clock, for span starts
     t_submit: float = field(default_factory=time.perf_counter)
     t_admit: float = 0.0
     t_first: float = 0.0

@@ -50,31 +50,8 @@ def tiny_engine():
     return Engine(ModelConfig.tiny(), EngineConfig(kv_cache_bytes=32 * 2**20, max_model_len=4096))
 
 
-def _seed(tmp_path) -> tuple[str, dict[str, str]]:
-    from cachepoint.gateway.tenants import create_key, create_org
-
-    db = f"sqlite:///{tmp_path}/gw.db"
-    engine = make_engine(db)
-    upgrade(engine)
-    keys = {}
-    with make_sessionmaker(engine)() as s:
-        for name in ("a", "b"):
-            org = create_org(s, name)
-            keys[name] = create_key(s, org)[1]
-            keys[f"{name}-admin"] = create_key(s, org, admin=True)[1]
-        s.commit()
-    engine.dispose()
-    return db, keys
-
-
 @pytest.fixture
-def seeded_db(tmp_path):
-    """A migrated SQLite ledger with orgs a and b: (url, {a, a-admin, b, b-admin} keys)."""
-    return _seed(tmp_path)
-
-
-@pytest.fixture
-def stack(tmp_path, serve, tiny_engine):
+def stack(seeded_db, serve, tiny_engine):
     """A real replica (tiny model, CPU) and a gateway on SQLite, with two orgs' keys."""
     from cachepoint.gateway.app import create_app
     from cachepoint.gateway.settings import GatewaySettings
@@ -82,7 +59,7 @@ def stack(tmp_path, serve, tiny_engine):
     from cachepoint.scheduler.settings import ReplicaSettings
 
     replica = serve(create_replica_app(ReplicaSettings(name="r0"), tiny_engine))
-    db, keys = _seed(tmp_path)
+    db, keys = seeded_db
     settings = GatewaySettings(
         database_url=db, replica_urls=[replica], min_cacheable_tokens=64, max_body_bytes=200_000
     )

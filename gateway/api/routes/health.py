@@ -22,6 +22,7 @@ async def healthz() -> JSONResponse:
 async def readyz(request: Request, state: StateDep) -> JSONResponse:
     """Ready when the ledger is reachable (reports work without replicas); the body
     says how many replicas routing can use right now."""
+
     def db_ok() -> bool:
         try:
             with state.sessions() as session:

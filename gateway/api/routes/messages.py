@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, StreamingResponse
+from opentelemetry import trace
+from opentelemetry.trace import Span
 from starlette.concurrency import run_in_threadpool
 
 from ...contract.billing import Buckets
@@ -24,6 +27,7 @@ from ...schemas.messages import (
 )
 from ...state import GatewayState
 from ...tenants import KeyContext
+from ...tracing import render_attributes, usage_attributes
 from ...upstream import ReplicaClient, ReplicaUnreachableError, Routed, RouteRequest
 from ..deps import BetasDep, MessageCallerDep, RequestIdDep, StateDep
 
@@ -54,27 +58,40 @@ async def create_message(
     betas: BetasDep,
     rid: RequestIdDep,
 ) -> Any:
+    t_start = time.perf_counter()
+    server = trace.get_current_span()
+    server.set_attributes(
+        {
+            "cachepoint.request_id": rid,
+            "gen_ai.request.model": body.model,
+            "gen_ai.operation.name": "chat",
+            "cachepoint.org": ctx.org_id,
+        }
+    )
     _check_model(state, body.model)
-    prepared = prepare(body, ctx, betas, state.settings, state.renderer, rid)
+    tracer = state.tracer
+    with tracer.start_as_current_span("render") as span:
+        prepared = prepare(body, ctx, betas, state.settings, state.renderer, rid)
+        span.set_attributes(render_attributes(prepared.rendered, prepared.plan))
     route = RouteRequest(prepared.rendered.tokens, prepared.plan.key_spans, body.model)
-    routed = state.router.pick(route)
+    routed = _route(state, route)
     headers = {SCOPE_HEADER: prepared.plan.scope}
     if body.stream:
         return await _stream(body, state, ctx, rid, prepared, route, routed, headers)
+    t_up = time.perf_counter()
     try:
         result = await routed.replica.generate(prepared.payload)
     except ReplicaUnreachableError:
         # It died before its heartbeat went stale: route once more, elsewhere.
         state.router.report_failure(routed.replica.name)
-        routed = state.router.pick(route)
+        routed = _route(state, route)
         result = await routed.replica.generate(prepared.payload)
+    upstream = time.perf_counter() - t_up
     replica = routed.replica
     headers[REPLICA_HEADER] = replica.name
     b = buckets_of(result["cache"], int(result["output_tokens"]))
     # NOTE: billed before the response leaves; the request id makes a retry a no-op.
-    await run_in_threadpool(
-        state.bill, _charge(rid, ctx, body, result.get("replica", replica.name), prepared, b)
-    )
+    await _bill(state, _charge(rid, ctx, body, result.get("replica", replica.name), prepared, b))
     msg = MessageResponse(
         id=f"msg_{rid.removeprefix('req_')}",
         content=[TextOut(text=result["text"])],
@@ -83,7 +100,40 @@ async def create_message(
         stop_sequence=result.get("stop_sequence"),
         usage=usage_of(b),
     )
-    return JSONResponse(msg.model_dump(), headers=headers)
+    response = JSONResponse(msg.model_dump(), headers=headers)
+    metrics = state.metrics
+    metrics.upstream_seconds.observe(upstream)
+    metrics.overhead.observe(time.perf_counter() - t_start - upstream)
+    metrics.requests.labels("ok").inc()
+    return response
+
+
+def _route(state: GatewayState, route: RouteRequest) -> Routed:
+    with state.tracer.start_as_current_span("route") as span:
+        try:
+            routed = state.router.pick(route)
+        except ApiError:
+            state.metrics.route_decisions.labels("-", "no_replica").inc()
+            raise
+        policy = routed.decision.policy if routed.decision else "static"
+        state.metrics.route_decisions.labels(policy, "routed").inc()
+        span.set_attribute("cachepoint.route.replica", routed.replica.name)
+        if routed.decision is not None:
+            span.set_attributes(routed.decision.span_attributes())
+        age = state.router.freshness_s(routed.replica.name)
+        if age is not None:
+            span.set_attribute("cachepoint.route.index_age_s", age)
+        return routed
+
+
+async def _bill(state: GatewayState, charge: Charge, parent: Span | None = None) -> None:
+    ctx = trace.set_span_in_context(parent) if parent is not None else None
+    server = parent or trace.get_current_span()
+    with state.tracer.start_as_current_span("bill", context=ctx) as span:
+        cost = await run_in_threadpool(state.bill, charge)
+        span.set_attribute("cachepoint.ledger.inserted", cost is not None)
+        span.set_attributes(usage_attributes(charge.buckets, cost))
+        server.set_attributes(usage_attributes(charge.buckets))
 
 
 def _sse(event: str, data: dict[str, Any]) -> bytes:
@@ -114,6 +164,7 @@ async def _stream(
     # Open the upstream and wait for its prefill before answering, so that failures
     # up to that point are real HTTP errors rather than an SSE error event.
     stack = AsyncExitStack()
+    t_open = time.perf_counter()
     try:
         events, first = await _open(stack, routed.replica, prepared.payload)
     except ReplicaUnreachableError:
@@ -129,17 +180,20 @@ async def _stream(
         raise ApiError(500, str(err.get("type", "api_error")), str(err.get("message", first)))
     cache = first["cache"]
     msg_id = f"msg_{rid.removeprefix('req_')}"
+    server = trace.get_current_span()
+
+    state.metrics.ttft.observe(time.perf_counter() - t_open)
 
     async def sse() -> AsyncIterator[bytes]:
         output = 0
         billed = False
 
-        def bill(out_tokens: int) -> None:
+        async def bill(out_tokens: int) -> None:
             nonlocal billed
             if not billed:
                 billed = True
                 b = buckets_of(cache, out_tokens)
-                state.bill(_charge(rid, ctx, body, replica.name, prepared, b))
+                await _bill(state, _charge(rid, ctx, body, replica.name, prepared, b), server)
 
         try:
             start_usage = usage_of(buckets_of(cache, 0)).model_dump()
@@ -183,7 +237,7 @@ async def _stream(
                     final = ev["response"]
                     break
                 elif kind == "error":
-                    await run_in_threadpool(bill, output)
+                    await bill(output)
                     err = ev.get("error", {})
                     yield _sse(
                         "error",
@@ -191,12 +245,12 @@ async def _stream(
                     )
                     return
             if final is None:
-                await run_in_threadpool(bill, output)
+                await bill(output)
                 yield _sse("error", envelope("api_error", "replica stream ended early", rid))
                 return
             yield _sse("content_block_stop", {"type": "content_block_stop", "index": 0})
             out_tokens = int(final["output_tokens"])
-            await run_in_threadpool(bill, out_tokens)
+            await bill(out_tokens)
             usage = usage_of(buckets_of(cache, out_tokens)).model_dump()
             usage.pop("cache_creation")
             yield _sse(
@@ -212,9 +266,14 @@ async def _stream(
             )
             yield _sse("message_stop", {"type": "message_stop"})
         finally:
-            # A client that went away still pays for what was computed.
+            # A client that went away still pays for what was computed. NOTE: a
+            # cancelled generator cannot await the worker thread, so this write is
+            # synchronous; it happens only on hang-ups.
             if not billed:
-                bill(output)
+                billed = True
+                state.bill(
+                    _charge(rid, ctx, body, replica.name, prepared, buckets_of(cache, output))
+                )
             await stack.aclose()
 
     return StreamingResponse(sse(), media_type="text/event-stream", headers=headers)

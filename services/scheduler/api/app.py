@@ -8,8 +8,10 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI
+from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 
 from cachepoint.engine import Engine, EngineConfig, ModelConfig
+from cachepoint.telemetry import Telemetry, configure
 
 from ..bus import NatsBus
 from ..metrics import ReplicaMetrics
@@ -50,6 +52,7 @@ def create_app(
     engine: Engine | None = None,
     *,
     sink: EventSink | None = None,
+    telemetry: Telemetry | None = None,
 ) -> FastAPI:
     """The app starts its scheduler on startup and drains it on shutdown.
 
@@ -57,12 +60,17 @@ def create_app(
     settings (and closed on shutdown, which stops any TP workers).
     """
 
+    tel = telemetry or configure(
+        "cachepoint-replica", attributes={"cachepoint.replica": settings.name}
+    )
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         own = engine is None
         eng = await asyncio.to_thread(build_engine, settings) if own else engine
         assert eng is not None
         scheduler = Scheduler(eng, settings, sink=sink)
+        scheduler.tracer = tel.tracer
         metrics = ReplicaMetrics(scheduler)
         scheduler.on_finish = metrics.observe
         bus = None
@@ -75,6 +83,7 @@ def create_app(
                 heartbeat_interval_s=settings.heartbeat_interval_s,
             )
             scheduler.sink = bus
+            bus.tracer = tel.tracer
             await bus.start()
         app.state.scheduler = scheduler
         app.state.metrics = metrics
@@ -88,6 +97,8 @@ def create_app(
                 await bus.stop()
             if own:
                 eng.close()
+            if telemetry is None:
+                tel.shutdown()
 
     app = FastAPI(
         title=f"Cachepoint replica {settings.name}",
@@ -98,4 +109,8 @@ def create_app(
     install_error_handlers(app)
     for module in (generate, stats, health):
         app.include_router(module.router)
+    if tel.enabled:
+        FastAPIInstrumentor.instrument_app(
+            app, tracer_provider=tel.provider, exclude_spans=["receive", "send"]
+        )
     return app

@@ -1,0 +1,81 @@
+"""/metrics on the gateway and the replica: parseable, and moving by exactly a request."""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from cachepoint.engine import Engine, EngineConfig, ModelConfig
+from cachepoint.gateway.app import create_app
+from cachepoint.gateway.settings import GatewaySettings
+from cachepoint.scheduler.api.app import create_app as create_replica_app
+from cachepoint.scheduler.settings import ReplicaSettings
+
+
+def samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def total(snap, name: str, **labels: str) -> float:
+    return sum(
+        v
+        for (n, lab), v in snap.items()
+        if n == name and all(dict(lab).get(k) == x for k, x in labels.items())
+    )
+
+
+def test_metrics_move_by_exactly_one_request(serve, seeded_db):
+    engine = Engine(ModelConfig.tiny(), EngineConfig(kv_cache_bytes=16 * 2**20, max_model_len=2048))
+    replica = serve(create_replica_app(ReplicaSettings(name="r0"), engine))
+    db, keys = seeded_db
+    gw = serve(
+        create_app(
+            GatewaySettings(database_url=db, replica_urls=[replica], min_cacheable_tokens=32)
+        )
+    )
+    client = anthropic.Anthropic(base_url=gw, api_key=keys["a"], max_retries=0)
+    body = dict(
+        model="cachepoint-tiny",
+        max_tokens=3,
+        system=[
+            {
+                "type": "text",
+                "text": "Metrics are counted exactly. " * 6,
+                "cache_control": {"type": "ephemeral"},
+            }
+        ],
+        messages=[{"role": "user", "content": "count"}],
+    )
+    client.messages.create(**body)  # warm: the second call reads what this one wrote
+    g0, r0 = samples(gw), samples(replica)
+    msg = client.messages.create(**body)
+    g1, r1 = samples(gw), samples(replica)
+    u = msg.usage
+
+    def moved(name: str, **labels: str) -> float:
+        return total(g1, name, **labels) - total(g0, name, **labels)
+
+    assert moved("cachepoint_billed_tokens_total", bucket="cache_read") == u.cache_read_input_tokens
+    assert moved("cachepoint_billed_tokens_total", bucket="input") == u.input_tokens
+    assert moved("cachepoint_billed_tokens_total", bucket="output") == u.output_tokens
+    assert moved("cachepoint_billed_tokens_total", bucket="cache_write_5m") == (
+        u.cache_creation.ephemeral_5m_input_tokens
+    )
+    assert moved("cachepoint_gateway_overhead_seconds_count") == 1
+    assert moved("cachepoint_route_decisions_total", outcome="routed") == 1
+    prompt = u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens
+    assert (
+        total(r1, "cachepoint_prefix_cache_query_tokens_total")
+        - total(r0, "cachepoint_prefix_cache_query_tokens_total")
+    ) == prompt
+    hits = total(r1, "cachepoint_prefix_cache_hit_tokens_total") - total(
+        r0, "cachepoint_prefix_cache_hit_tokens_total"
+    )
+    assert hits >= u.cache_read_input_tokens - 16  # engine hits cover the billed read (full blocks)
+    assert total(r1, "cachepoint_kv_blocks", state="retained") > 0
+    assert total(g1, "cachepoint_replicas_live") == 1
