@@ -56,7 +56,7 @@ class GatewayMetrics:
             registry=self.registry,
         )
         self.ttft = Histogram(
-            "cachepoint_ttft_seconds",
+            "cachepoint_gateway_ttft_seconds",
             "Time to first token seen by the gateway (streaming: message_start)",
             buckets=_SLOW,
             registry=self.registry,
