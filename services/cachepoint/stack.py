@@ -88,6 +88,7 @@ class Stack:
     min_cacheable_tokens: int = 1024
     routing_policy: str = "cache_aware"
     model_preset: str = "tiny"
+    tracing: bool = True
     children: list[Child] = field(default_factory=list)
     nats_url: str = ""
     keys: dict[str, str] = field(default_factory=dict)
@@ -199,6 +200,7 @@ class Stack:
             **os.environ,
             "PYTHONUNBUFFERED": "1",
             "CACHEPOINT_TELEMETRY_TRACES_DIR": str((self.state_dir / "traces").resolve()),
+            "CACHEPOINT_TELEMETRY_ENABLED": "true" if self.tracing else "false",
         }
         proc = subprocess.Popen(
             args, stdout=fh, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
