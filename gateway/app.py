@@ -63,6 +63,9 @@ def create_app(
                 router=chosen,
                 tracer=tel.tracer,
             )
+            app.state.gateway.served_models = lambda: {
+                st.model for st in directory.replicas.values() if st.view.live and st.model
+            }
             app.state.directory = directory
             app.state.bus = bus
             app.state.gateway.metrics.watch_plane(

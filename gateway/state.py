@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
@@ -27,6 +28,13 @@ class GatewayState:
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     # key hash -> (context or None, monotonic expiry): keeps auth off the DB per request
     _auth_cache: dict[str, tuple[KeyContext | None, float]] = field(default_factory=dict)
+
+    # Models the live replicas report (set by the app from the directory).
+    served_models: Callable[[], set[str]] = field(default_factory=lambda: set)
+
+    def models(self) -> list[str]:
+        """Configured models plus whatever the live replicas say they serve."""
+        return sorted(set(self.settings.models) | self.served_models())
 
     @property
     def default_price(self) -> Price:

@@ -38,7 +38,7 @@ REPLICA_HEADER = "cachepoint-replica"
 
 
 def _check_model(state: GatewayState, model: str) -> None:
-    if model not in state.settings.models:
+    if model not in state.models():
         raise not_found(f"model: {model}")
 
 
