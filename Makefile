@@ -6,6 +6,13 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
+
+# NOTE: `python -m X` puts the current folder first on sys.path, and this repository's
+# top-level `operator/` folder (cachepoint.operator) would then shadow the standard
+# library's `operator` in any interpreter that has not imported it yet (a fresh venv
+# does not). PYTHONSAFEPATH (Python 3.11+) keeps the current folder off sys.path for
+# every python this Makefile starts, and for their children.
+export PYTHONSAFEPATH := 1
 HELM   := .tools/bin/helm
 
 .PHONY: help venv install run test lint typecheck pytest bench clean
