@@ -164,6 +164,15 @@ def test_event_plane_routes_returning_session_to_its_prefix(fleet: Fleet):
         assert msg.usage.cache_read_input_tokens > 0
     # A cold tenant goes to the less loaded replica.
     other = "r1" if first == "r0" else "r0"
+    # Make `first` look busy, and keep it so: its heartbeats would report the truth.
+    real = fleet.directory.on_heartbeat
+
+    def busy(hb):
+        changed = real(hb)
+        fleet.directory.replicas[first].view.queued_prefill_tokens = 50_000
+        return changed
+
+    fleet.directory.on_heartbeat = busy
     fleet.directory.replicas[first].view.queued_prefill_tokens = 50_000
     replica, _ = fleet.ask("zeta", "A completely different tenant's prompt. " * 10)
     assert replica == other
