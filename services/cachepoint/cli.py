@@ -26,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--blocks", type=int, default=64, help="pool size in blocks (default 64)")
     demo.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    from cachepoint.sim.cli import add_sim_parser
+
+    add_sim_parser(sub)
     from .traces_cmd import add_traces_parser
     from .up import add_up_parser
 
@@ -43,6 +46,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.blocks < 8 or args.block_size < 1:
             parser.error("--blocks must be at least 8 and --block-size at least 1")
         return run_demo(num_blocks=args.blocks, block_size=args.block_size)
+    if args.command == "sim":
+        from cachepoint.sim.cli import run_sim_command
+
+        return run_sim_command(args, parser)
     if args.command == "traces":
         from .traces_cmd import run_traces
 

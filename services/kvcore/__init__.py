@@ -9,6 +9,18 @@ from .block import KVBlock
 from .clock import Clock, ManualClock, monotonic_clock
 from .entries import CacheEntry
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from .eviction import (
+    EVICTION_POLICIES,
+    BlockPriority,
+    EvictionPolicy,
+    FreeQueue,
+    LRUEviction,
+    PriorityFreeQueue,
+    ReuseCreditEviction,
+    ReuseCreditQueue,
+    SegmentedFreeQueue,
+    SegmentedLRUEviction,
+)
 from .free_queue import FreeBlockQueue
 from .hashing import (
     ROOT_HASH,
@@ -28,6 +40,7 @@ from .prefix_index import PrefixIndex
 from .retention import TTL_1H, TTL_5M, TTL_SECONDS, RetainResult
 
 __all__ = [
+    "EVICTION_POLICIES",
     "MAX_LOOKBACK",
     "ROOT_HASH",
     "TTL_1H",
@@ -40,6 +53,7 @@ __all__ = [
     "BlockCounts",
     "BlockHash",
     "BlockPool",
+    "BlockPriority",
     "BlockRemoved",
     "BlockStored",
     "CacheEntry",
@@ -48,17 +62,25 @@ __all__ = [
     "EntryHit",
     "EntryKey",
     "EntryWrite",
+    "EvictionPolicy",
     "ExtraKeys",
     "FreeBlockQueue",
+    "FreeQueue",
     "KVBlock",
     "KVCacheManager",
     "KVEvent",
     "KeySpan",
+    "LRUEviction",
     "ManualClock",
     "PoolExhaustedError",
     "PrefixIndex",
     "PrefixMatch",
+    "PriorityFreeQueue",
     "RetainResult",
+    "ReuseCreditEviction",
+    "ReuseCreditQueue",
+    "SegmentedFreeQueue",
+    "SegmentedLRUEviction",
     "encode_tokens",
     "entry_key",
     "entry_key_at",

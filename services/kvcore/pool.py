@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from .block import KVBlock
 from .clock import Clock, monotonic_clock
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from .free_queue import FreeBlockQueue
+from .eviction import EvictionPolicy, FreeQueue, LRUEviction
 from .hashing import BlockHash
 from .retention import DeadlineHeap, RetainResult
 
@@ -52,6 +52,7 @@ class BlockPool:
         *,
         retained_share: float = 0.5,
         clock: Clock = monotonic_clock,
+        eviction: EvictionPolicy | None = None,
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
@@ -60,7 +61,8 @@ class BlockPool:
         self.block_size = block_size
         self.clock = clock
         self.blocks = [KVBlock(block_id=i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.eviction: EvictionPolicy = eviction or LRUEviction()
+        self.free_queue: FreeQueue = self.eviction.make_queue(self.blocks, clock)
         self.cached: dict[BlockHash, KVBlock] = {}  # the hash index
         self.max_retained = int(retained_share * num_blocks)
         self.num_evictions = 0  # cached blocks evicted by LRU pressure, ever
@@ -105,6 +107,7 @@ class BlockPool:
                 self._num_cached_free -= 1
                 self._num_active += 1
             block.ref_cnt += 1
+            block.hits += 1
 
     def allocate(self, n: int) -> list[KVBlock]:
         """Take ``n`` blocks off the LRU head, evicting cached-free ones as needed."""
@@ -128,6 +131,7 @@ class BlockPool:
                 evicted.append(h)
                 self._num_cached_free -= 1
             block.ref_cnt = 1
+            block.hits = 0
         self._num_active += n
         if evicted:
             self.num_evictions += len(evicted)

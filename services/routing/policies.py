@@ -8,7 +8,7 @@ returns a `RouteDecision` carrying every candidate's score, so the gateway's
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -82,21 +82,45 @@ def _decide(
     )
 
 
+def _no_penalty(load: int) -> float:
+    return 0.0
+
+
 def _score_all(
     block_hashes: Sequence[BlockHash],
     views: list[ReplicaView],
     block_size: int,
     num_tokens: int | None,
-    load_weight: float,
+    penalty: Callable[[int], float] = _no_penalty,
 ) -> list[Candidate]:
+    """Saved tokens minus ``penalty(queued prefill tokens)`` for every view, in order."""
     hashes = block_hashes[: usable_blocks(block_hashes, block_size, num_tokens)]
     out = []
     for view in views:
         matched = view.index.match(hashes) if hashes else 0
         saved = matched * block_size
         load = view.queued_prefill_tokens
-        out.append(Candidate(view.name, matched, saved, load, saved - load_weight * load))
+        out.append(Candidate(view.name, matched, saved, load, saved - penalty(load)))
     return out
+
+
+def _best_near(cands: list[Candidate], tolerance: float, rng: random.Random) -> Candidate:
+    """The best score; within ``tolerance`` of it the least loaded, exact ties sampled."""
+    best = max(c.score for c in cands)
+    near = [c for c in cands if c.score >= best - tolerance]
+    least = min(c.load_tokens for c in near)
+    tied = [c for c in near if c.load_tokens == least]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
+
+
+def _least_loaded(
+    cands: list[Candidate], views: list[ReplicaView], rng: random.Random
+) -> Candidate:
+    """Fewest queued prefill tokens, then waiting, then running; exact ties sampled."""
+    keys = [_load_key(v) for v in views]
+    least = min(keys)
+    tied = [c for c, k in zip(cands, keys, strict=True) if k == least]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
 
 
 @dataclass(slots=True)
@@ -129,14 +153,10 @@ class CacheAwarePolicy:
         num_tokens: int | None = None,
     ) -> RouteDecision:
         views = routable(replicas)
-        cands = _score_all(block_hashes, views, block_size, num_tokens, self.load_weight)
+        weight = self.load_weight
+        cands = _score_all(block_hashes, views, block_size, num_tokens, lambda q: weight * q)
         tol = float(block_size) if self.tie_tolerance is None else self.tie_tolerance
-        best = max(c.score for c in cands)
-        near = [c for c in cands if c.score >= best - tol]
-        least = min(c.load_tokens for c in near)
-        tied = [c for c in near if c.load_tokens == least]
-        chosen = tied[0] if len(tied) == 1 else self._rng.choice(tied)
-        return _decide(self.name, chosen, cands)
+        return _decide(self.name, _best_near(cands, tol, self._rng), cands)
 
 
 @dataclass(slots=True)
@@ -155,7 +175,7 @@ class RoundRobinPolicy:
         num_tokens: int | None = None,
     ) -> RouteDecision:
         views = routable(replicas)
-        cands = _score_all(block_hashes, views, block_size, num_tokens, 0.0)
+        cands = _score_all(block_hashes, views, block_size, num_tokens)
         chosen = cands[self._next % len(cands)]
         self._next += 1
         return _decide(self.name, chosen, [_zero_score(c) for c in cands])
@@ -181,11 +201,8 @@ class LeastLoadedPolicy:
         num_tokens: int | None = None,
     ) -> RouteDecision:
         views = routable(replicas)
-        cands = _score_all(block_hashes, views, block_size, num_tokens, 0.0)
-        keys = [_load_key(v) for v in views]
-        least = min(keys)
-        tied = [c for c, k in zip(cands, keys, strict=True) if k == least]
-        chosen = tied[0] if len(tied) == 1 else self._rng.choice(tied)
+        cands = _score_all(block_hashes, views, block_size, num_tokens)
+        chosen = _least_loaded(cands, views, self._rng)
         scored = [
             Candidate(c.replica, c.matched_blocks, c.matched_tokens, c.load_tokens, -c.load_tokens)
             for c in cands
@@ -204,14 +221,14 @@ class PrefixAffinityPolicy:
     score = saved tokens − load_weight × max(0, queued prefill tokens − load_slack)
 
     NOTE: a returning session moved off its replica takes its chain with it: the
-    prefix is computed again and stored on a second pool while the first copy
-    ages out, so every move halves the capacity that session gets. On Mooncake's
-    conversation trace, `CacheAwarePolicy`'s penalty on any queued work moves
-    enough sessions to cost 3–4 points of hit ratio for a few milliseconds of
-    median TTFT (docs/sim.md). Here queued work below ``load_slack`` (32k tokens:
-    about 1.5 s of prefill for an 8B model on an H100) costs nothing; beyond it,
-    each queued token costs a saved token, the TTFT-greedy trade. Ties go as in
-    `CacheAwarePolicy`: within ``tie_tolerance`` the least loaded wins.
+    prefix is computed again and stored on a second pool, and the first copy
+    ages out there, taking pool space from other sessions. On Mooncake's
+    conversation trace `CacheAwarePolicy`'s penalty on any queued work moves
+    enough sessions to cost 1–5 points of hit ratio (more at higher load) for a
+    few milliseconds of median TTFT (docs/sim.md). Here queued work below
+    ``load_slack`` (32k tokens: about 1.5 s of prefill for an 8B model on an H100)
+    costs nothing; beyond it each queued token costs a saved token, the
+    TTFT-greedy trade. Ties go as in `CacheAwarePolicy`.
     """
 
     load_weight: float = 1.0  # score lost per queued token beyond the slack
@@ -235,27 +252,19 @@ class PrefixAffinityPolicy:
         num_tokens: int | None = None,
     ) -> RouteDecision:
         views = routable(replicas)
-        hashes = block_hashes[: usable_blocks(block_hashes, block_size, num_tokens)]
-        cands = []
-        for view in views:
-            matched = view.index.match(hashes) if hashes else 0
-            saved = matched * block_size
-            load = view.queued_prefill_tokens
-            excess = max(0, load - self.load_slack)
-            cands.append(
-                Candidate(view.name, matched, saved, load, saved - self.load_weight * excess)
-            )
+        weight, slack = self.load_weight, self.load_slack
+        cands = _score_all(
+            block_hashes, views, block_size, num_tokens, lambda q: weight * max(0, q - slack)
+        )
         # NOTE: a prefix held by most of the fleet (a popular system prompt) is no
         # reason to prefer a replica: every holder is as good, and preferring them
         # starves replicas that do not hold it yet, leaving their pools idle. Such a
         # request is cold; it goes to the least loaded replica, ties sampled.
         common = sorted(c.matched_blocks for c in cands)[(len(cands) - 1) // 2]
         if max(c.matched_blocks for c in cands) <= common:
-            keys = [_load_key(v) for v in views]
-            least_key = min(keys)
-            idle = [c for c, k in zip(cands, keys, strict=True) if k == least_key]
-            chosen = idle[0] if len(idle) == 1 else self._rng.choice(idle)
-            return _decide(self.name, chosen, cands)
+            return _decide(self.name, _least_loaded(cands, views, self._rng), cands)
+        tol = float(block_size) if self.tie_tolerance is None else self.tie_tolerance
+        return _decide(self.name, _best_near(cands, tol, self._rng), cands)
         tol = float(block_size) if self.tie_tolerance is None else self.tie_tolerance
         best = max(c.score for c in cands)
         near = [c for c in cands if c.score >= best - tol]

@@ -1,0 +1,314 @@
+"""`cachepoint sim`: replay a trace on a simulated fleet, write the report, measure scaling."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from cachepoint.kvcore import EVICTION_POLICIES
+from cachepoint.routing import POLICIES
+
+from .simulator import RETENTION_MODES, PreparedTrace, SimConfig, Simulator
+from .trace import TraceError, load_trace
+
+SHIPPED_POLICY = "prefix_affinity"  # the routing the product ships (docs/sim.md says why)
+SHIPPED_EVICTION = "reuse_credit"  # the eviction the product ships
+TRACE_ENV = "CACHEPOINT_TRACE"  # overrides where the default trace is looked for
+DEFAULT_TRACES = (
+    "traces/conversation_trace.jsonl",
+    "../shared/traces/conversation_trace.jsonl",
+)
+
+
+def default_trace() -> str | None:
+    """$CACHEPOINT_TRACE, else the first of DEFAULT_TRACES that exists (from the cwd)."""
+    env = os.environ.get(TRACE_ENV)
+    if env:
+        return env
+    return next((p for p in DEFAULT_TRACES if Path(p).is_file()), None)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    """A share: 0.01 or 1%."""
+    raw = text.strip()
+    try:
+        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a fraction like 0.01 or 1%, got {text!r}"
+        ) from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be within (0, 1], got {text}")
+    return value
+
+
+def _add_trace_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--trace",
+        metavar="FILE",
+        help=(
+            "trace JSONL (Mooncake or Cachepoint format; docs/sim.md). Default: "
+            f"${TRACE_ENV}, else {' or '.join(DEFAULT_TRACES)}"
+        ),
+    )
+
+
+def add_sim_parser(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    """Register `sim` (and its `report` and `scaling` subcommands) on the main parser."""
+    sim: argparse.ArgumentParser = sub.add_parser(
+        "sim",
+        help="replay a request trace on a simulated fleet of kvcore replicas",
+        description=(
+            "Replays a request trace on N simulated replicas, each a real kvcore pool, "
+            "routed by the real routing policies over the real kv event path. Prints the "
+            "hit ratio against the infinite-cache bound, TTFT, queueing, load balance and "
+            "the bill. `cachepoint sim report` writes the plots and summary to bench/sim/."
+        ),
+    )
+    _add_trace_arg(sim)
+    sim.add_argument("--replicas", type=_positive_int, default=16, help="replicas (16)")
+    sim.add_argument(
+        "--capacity-frac",
+        type=_fraction,
+        default=0.01,
+        metavar="F",
+        help="pool size per replica as a share of the trace's distinct blocks (0.01 = 1%%)",
+    )
+    sim.add_argument(
+        "--capacity-blocks",
+        type=_positive_int,
+        metavar="N",
+        help="pool size per replica in kvcore blocks (overrides --capacity-frac)",
+    )
+    sim.add_argument(
+        "--policy",
+        choices=sorted(POLICIES),
+        default=SHIPPED_POLICY,
+        help=f"routing policy ({SHIPPED_POLICY}, what the product ships)",
+    )
+    sim.add_argument(
+        "--eviction",
+        choices=[*sorted(EVICTION_POLICIES), "oracle"],
+        default=SHIPPED_EVICTION,
+        help=(
+            f"pool eviction ({SHIPPED_EVICTION}, what the product ships; "
+            "oracle is clairvoyant, a reference only)"
+        ),
+    )
+    sim.add_argument(
+        "--retention",
+        choices=RETENTION_MODES,
+        default="none",
+        help=(
+            "none: no cache_control markers; 5m/1h: every request marks its whole prompt; "
+            "trace: the trace's own breakpoints (none)"
+        ),
+    )
+    sim.add_argument(
+        "--retained-share", type=_fraction, default=0.5, metavar="F", help="retention cap (0.5)"
+    )
+    sim.add_argument(
+        "--block-size",
+        type=_positive_int,
+        help="kvcore block size in tokens; must divide the trace's (default: the trace's)",
+    )
+    sim.add_argument(
+        "--time-scale",
+        type=_positive_float,
+        default=1.0,
+        metavar="X",
+        help="multiply arrival times by X (0.5 = twice the request rate) (1.0)",
+    )
+    sim.add_argument(
+        "--event-delay",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="seconds before kv events reach the router (0)",
+    )
+    sim.add_argument(
+        "--max-waiting", type=_positive_int, metavar="N", help="per-replica queue bound (none)"
+    )
+    sim.add_argument("--seed", type=int, default=0, help="seed of every random choice (0)")
+    sim.add_argument(
+        "--limit", type=_positive_int, metavar="N", help="replay only the first N requests"
+    )
+    sim.add_argument("--json", action="store_true", help="print one JSON object")
+    sim.add_argument(
+        "--full", action="store_true", help="with --json: add every TTFT and per-replica stats"
+    )
+    prog = sim.add_mutually_exclusive_group()
+    prog.add_argument(
+        "--progress", dest="progress", action="store_true", default=None, help="force the bar"
+    )
+    prog.add_argument("--no-progress", dest="progress", action="store_false", help="no bar")
+
+    sub2 = sim.add_subparsers(dest="sim_command", metavar="SUBCOMMAND")
+    report = sub2.add_parser(
+        "report",
+        help="run the sweep and write bench/sim/ (PNG plots + summary.md)",
+        description=(
+            "Runs every configuration the report needs (replicas 1/4/16/64 x capacities "
+            "x policies, TTFT, load balance, retention TTLs) and writes PNG plots and a "
+            "markdown summary."
+        ),
+    )
+    _add_trace_arg(report)
+    report.add_argument("--out", default="bench/sim", help="output folder (bench/sim)")
+    report.add_argument(
+        "--jobs", type=_positive_int, default=os.cpu_count() or 1, help="worker processes"
+    )
+    report.add_argument(
+        "--quick", action="store_true", help="first 2,000 requests and fewer points (smoke run)"
+    )
+    scaling = sub2.add_parser(
+        "scaling",
+        help="measure router memory, CPU and event traffic on the real index and event code",
+        description=(
+            "Measures PrefixIndex memory and match cost per million indexed blocks, the "
+            "events per second one router applies, and the msgpack bytes of event batches "
+            "from a replay; prints the table docs/scaling.md is built from."
+        ),
+    )
+    _add_trace_arg(scaling)
+    scaling.add_argument(
+        "--blocks", type=_positive_int, default=1_000_000, help="indexed blocks (1,000,000)"
+    )
+    scaling.add_argument(
+        "--block-size",
+        type=_positive_int,
+        help="kvcore block size of the replay (default: the trace's)",
+    )
+    scaling.add_argument(
+        "--capacity-frac",
+        type=_fraction,
+        default=0.01,
+        metavar="F",
+        help="pool size per replica in the replay, share of distinct blocks (0.01)",
+    )
+    scaling.add_argument("--json", action="store_true", help="print one JSON object")
+    return sim
+
+
+def _resolve_trace(parser: argparse.ArgumentParser, given: str | None) -> str:
+    path = given or default_trace()
+    if path is None:
+        parser.error(
+            f"no trace given and none found at {' or '.join(DEFAULT_TRACES)}; pass --trace FILE"
+        )
+    return path
+
+
+def run_sim_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Dispatch `cachepoint sim ...`; trace and option errors print one line, exit 2."""
+    try:
+        if args.sim_command == "report":
+            from .report import write_report
+
+            return write_report(
+                _resolve_trace(parser, args.trace), Path(args.out), jobs=args.jobs, quick=args.quick
+            )
+        if args.sim_command == "scaling":
+            from .scaling import run_scaling
+
+            return run_scaling(
+                _resolve_trace(parser, args.trace),
+                args.blocks,
+                block_size=args.block_size,
+                capacity_frac=args.capacity_frac,
+                as_json=args.json,
+            )
+        return _run_one(args, parser)
+    except (TraceError, ValueError) as exc:
+        print(f"cachepoint sim: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run_one(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    trace = load_trace(_resolve_trace(parser, args.trace))
+    if args.limit:
+        trace = trace.head(args.limit)
+    config = SimConfig(
+        replicas=args.replicas,
+        capacity_frac=args.capacity_frac,
+        capacity_blocks=args.capacity_blocks,
+        block_size=args.block_size,
+        policy=args.policy,
+        eviction=args.eviction,
+        retention=args.retention,
+        retained_share=args.retained_share,
+        time_scale=args.time_scale,
+        event_delay_s=args.event_delay,
+        max_waiting=args.max_waiting,
+        seed=args.seed,
+    )
+    prepared = PreparedTrace.build(trace, args.block_size)
+    show = sys.stderr.isatty() if args.progress is None else args.progress
+    progress = None
+    if show:
+        from .progress import ProgressBar
+
+        progress = ProgressBar()
+    result = Simulator(prepared, config).run(progress)
+    if args.json:
+        print(json.dumps(result.to_json(full=args.full)))
+    else:
+        print(format_summary(result.to_json()))
+    return 0
+
+
+def format_summary(r: dict[str, Any]) -> str:
+    """The human-readable block `cachepoint sim` prints without --json."""
+
+    def pct(x: float | None) -> str:
+        return "n/a" if x is None else f"{100 * x:.1f}%"
+
+    def sec(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.3f} s"
+
+    lines = [
+        f"trace        {r['trace']}  ({r['requests']:,} requests)",
+        f"fleet        {r['replicas']} replicas x {r['capacity_blocks']:,} blocks of "
+        f"{r['block_size']} tokens ({pct(r['capacity_frac'])} of distinct blocks each)",
+        f"policy       {r['policy']} routing, {r['eviction']} eviction, retention {r['retention']}",
+        f"hit ratio    {pct(r['hit_ratio'])} of prefix blocks "
+        f"(tokens {pct(r['token_hit_ratio'])}); bound {pct(r['bound'])}; "
+        f"ratio to bound {pct(r['ratio_to_bound'])}",
+        f"TTFT         p50 {sec(r['ttft_p50_s'])}  p90 {sec(r['ttft_p90_s'])}  "
+        f"p99 {sec(r['ttft_p99_s'])}",
+        f"queueing     p50 {sec(r['queue_p50_s'])}  p90 {sec(r['queue_p90_s'])}  "
+        f"p99 {sec(r['queue_p99_s'])}  mean {sec(r['queue_mean_s'])}",
+        f"load         imbalance (max/mean busy) {r['load_imbalance']:.2f}, "
+        f"cv {r['load_cv']:.2f}; rejected {r['rejected']}",
+        f"bill         ${r['billed_cost']:,.2f} vs ${r['uncached_cost']:,.2f} uncached "
+        f"(saving {pct(r['cost_saving'])})",
+        f"events       {r['events']:,} kv events applied, {r['event_blocks']:,} block hashes",
+        f"elapsed      {r['elapsed_s']:.1f} s replay + {r['prepare_s']:.1f} s load/hash",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,553 @@
+"""`cachepoint sim report`: the sweep behind bench/sim/, its PNG plots and its summary.
+
+Every number in the summary comes from a run made by this module in the same
+invocation; nothing is carried over from elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .billing import PriceTable
+from .bound import reuse_profile
+from .cost import ReplicaCostModel
+from .progress import ProgressBar
+from .simulator import PreparedTrace, SimConfig, Simulator
+from .trace import load_trace
+
+SHIPPED = "prefix_affinity + reuse_credit"  # the label of what the product ships
+BASELINE = "cache_aware + lru"  # the issue's baseline: longest match, load penalty, LRU
+TARGETS = {0.01: 0.95, 0.005: 0.80}  # capacity per replica -> ratio-to-bound goal
+POOLED = (BASELINE, SHIPPED, "prefix_affinity + oracle")  # lines of the one-pool reference
+
+
+@dataclass(frozen=True, slots=True)
+class Line:
+    """One routing + eviction combination drawn as a line."""
+
+    label: str  # legend text
+    policy: str  # routing policy name
+    eviction: str  # eviction strategy name
+    reference: bool = False  # clairvoyant: drawn dashed, never a product setting
+
+
+LINES = (
+    Line("round_robin + lru", "round_robin", "lru"),
+    Line("least_loaded + lru", "least_loaded", "lru"),
+    Line(BASELINE, "cache_aware", "lru"),
+    Line("prefix_affinity + lru", "prefix_affinity", "lru"),
+    Line("cache_aware + reuse_credit", "cache_aware", "reuse_credit"),
+    Line(SHIPPED, "prefix_affinity", "reuse_credit"),
+    Line("prefix_affinity + oracle", "prefix_affinity", "oracle", reference=True),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Sweep:
+    """The grid one report runs."""
+
+    limit: int | None  # requests replayed (None: all)
+    replicas: tuple[int, ...]  # fleet sizes of the capacity plot
+    fracs: tuple[float, ...]  # capacities per replica of the capacity plot
+    time_scales: tuple[float, ...]  # offered-load points (arrival time multipliers)
+    retentions: tuple[str, ...] = ("none", "5m", "1h")  # cost-vs-TTL points
+    headline_replicas: int = 16  # the fleet of the headline table
+    headline_fracs: tuple[float, ...] = (0.01, 0.005)  # the capacities of the headline table
+    seeds: tuple[int, ...] = (0, 1, 2)  # seeds of the headline runs (the rest use seed 0)
+
+
+FULL = Sweep(None, (1, 4, 16, 64), (0.0025, 0.005, 0.01, 0.02, 0.04), (1.0, 0.5, 0.25, 0.15))
+QUICK = Sweep(1500, (4, 16), (0.005, 0.01), (1.0, 0.5))
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One simulation to make: a line under one configuration."""
+
+    line: str  # the Line's label
+    replicas: int  # fleet size
+    frac: float  # capacity per replica
+    retention: str = "none"  # retention mode
+    time_scale: float = 1.0  # arrival time multiplier
+    keep_ttft: bool = False  # return every TTFT (for the CDF)
+    seed: int = 0  # seeds routing ties
+
+
+_PREPARED: PreparedTrace | None = None  # set before the workers fork
+
+
+def _config(run: Run) -> SimConfig:
+    line = next(x for x in LINES if x.label == run.line)
+    return SimConfig(
+        replicas=run.replicas,
+        capacity_frac=run.frac,
+        policy=line.policy,
+        eviction=line.eviction,
+        retention=run.retention,
+        time_scale=run.time_scale,
+        seed=run.seed,
+    )
+
+
+def _execute(run: Run) -> dict[str, Any]:
+    assert _PREPARED is not None
+    result = Simulator(_PREPARED, _config(run)).run()
+    out = result.to_json()
+    out["line"] = run.line
+    out["frac"] = run.frac  # the capacity asked for (capacity_frac is after rounding to blocks)
+    out["seed"] = run.seed
+    if run.keep_ttft:
+        out["ttft_s"] = list(result.ttft_s)
+    return out
+
+
+def _plan(sweep: Sweep) -> list[Run]:
+    runs: list[Run] = []
+    hr = sweep.headline_replicas
+    for n in sweep.replicas:
+        for frac in sweep.fracs:
+            for line in LINES:
+                keep = n == hr and frac == sweep.headline_fracs[0]
+                runs.append(Run(line.label, n, frac, keep_ttft=keep))
+    for frac in sweep.headline_fracs:
+        if hr not in sweep.replicas or frac not in sweep.fracs:
+            runs.extend(Run(line.label, hr, frac) for line in LINES)
+        for seed in sweep.seeds:
+            if seed != 0:
+                runs.extend(Run(line.label, hr, frac, seed=seed) for line in LINES)
+    frac = sweep.headline_fracs[0]
+    for ts in sweep.time_scales:
+        if ts != 1.0:
+            runs.extend(Run(line.label, hr, frac, time_scale=ts) for line in LINES[:-1])
+    for ret in sweep.retentions:
+        if ret != "none":
+            runs.extend(Run(line.label, hr, frac, retention=ret) for line in LINES[:-1])
+    # One pool holding the whole fleet's capacity: routing cannot lose anything there.
+    # NOTE: its arrivals are stretched by the fleet size, so its one prefill engine
+    # is as busy as each of the fleet's; unstretched, queueing would reorder the trace.
+    for f in sweep.headline_fracs:
+        runs.extend(Run(label, 1, f * hr, time_scale=float(hr)) for label in POOLED)
+    return runs
+
+
+def write_report(
+    trace_path: str,
+    out: Path,
+    *,
+    jobs: int = 2,
+    quick: bool = False,
+    sweep: Sweep | None = None,
+) -> int:
+    """Run the sweep (``FULL``, ``QUICK``, or one given), write plots, summary.md, results.json."""
+    global _PREPARED
+    if sweep is None:
+        sweep = QUICK if quick else FULL
+    trace = load_trace(trace_path)
+    if sweep.limit:
+        trace = trace.head(sweep.limit)
+    out.mkdir(parents=True, exist_ok=True)
+
+    # NOTE: the timing run goes first and alone, so the figure it records is not
+    # inflated by the sweep's workers competing for the same two cores.
+    t0 = time.perf_counter()
+    prepared = PreparedTrace.build(trace)
+    shipped = next(x for x in LINES if x.label == SHIPPED)
+    timing = Simulator(
+        prepared,
+        SimConfig(
+            replicas=sweep.headline_replicas,
+            capacity_frac=sweep.headline_fracs[0],
+            policy=shipped.policy,
+            eviction=shipped.eviction,
+        ),
+    ).run()
+    timing_total = time.perf_counter() - t0
+    _PREPARED = prepared
+
+    runs = _plan(sweep)
+    bar = ProgressBar("runs")
+    results: list[dict[str, Any]] = []
+    if jobs > 1 and sys.platform != "win32":
+        ctx = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+            for i, res in enumerate(pool.map(_execute, runs, chunksize=1)):
+                results.append(res)
+                bar(i + 1, len(runs))
+    else:
+        for i, run in enumerate(runs):
+            results.append(_execute(run))
+            bar(i + 1, len(runs))
+
+    profile = reuse_profile(prepared.trace, prepared.requests)
+    meta = {
+        "profile": {
+            "distinct_blocks": profile.distinct_blocks,
+            "used_once": profile.used_once,
+            "reuse_given_uses": list(profile.reuse_given_uses),
+            "max_live_blocks": profile.max_live_blocks,
+            "gap_quantiles_s": [list(q) for q in profile.gap_quantiles_s],
+        },
+        "trace": trace_path,
+        "requests": len(trace),
+        "bound": prepared.bound.block_bound,
+        "distinct_blocks": prepared.bound.distinct_blocks,
+        "timing": {
+            "replicas": sweep.headline_replicas,
+            "capacity_frac": sweep.headline_fracs[0],
+            "replay_s": timing.elapsed_s,
+            "prepare_s": timing.prepare_s,
+            "total_s": timing_total,
+            "ratio_to_bound": timing.ratio_to_bound,
+        },
+        "machine": f"{platform.machine()}, {multiprocessing.cpu_count()} cores, "
+        f"Python {platform.python_version()}",
+        "sweep": "full" if sweep == FULL else "quick" if sweep == QUICK else "custom",
+    }
+    slim = [{k: v for k, v in r.items() if k != "ttft_s"} for r in results]
+    (out / "results.json").write_text(json.dumps({"meta": meta, "runs": slim}) + "\n")
+    _plots(results, sweep, meta, out)
+    (out / "summary.md").write_text(_summary(results, sweep, meta))
+    print(f"wrote {out}/summary.md, results.json and {len(PLOTS)} plots")
+    return 0
+
+
+# --------------------------------------------------------------------- plots
+
+PLOTS = (
+    "hit_ratio_vs_capacity.png",
+    "ttft_cdf.png",
+    "load_imbalance.png",
+    "cost_vs_retention.png",
+    "offered_load.png",
+)
+
+
+def _pick(results: Sequence[dict[str, Any]], **match: Any) -> list[dict[str, Any]]:
+    return [r for r in results if all(r.get(k) == v for k, v in match.items())]
+
+
+def _line_of(r: dict[str, Any]) -> str:
+    return str(r["line"])
+
+
+def _plots(results: list[dict[str, Any]], sweep: Sweep, meta: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = {"retention": "none", "time_scale": 1.0, "seed": 0}
+    hr, frac = sweep.headline_replicas, sweep.headline_fracs[0]
+    styles = {line.label: ("--" if line.reference else "-") for line in LINES}
+
+    # Hit ratio against capacity per replica, one panel per fleet size.
+    fig, axes = plt.subplots(1, len(sweep.replicas), figsize=(4.2 * len(sweep.replicas), 4))
+    for ax, n in zip(list(getattr(axes, "flat", [axes])), sweep.replicas, strict=True):
+        for line in LINES:
+            pts = sorted(
+                (r["frac"], r["hit_ratio"])
+                for r in _pick(results, replicas=n, line=line.label, **base)
+            )
+            ax.plot(
+                [100 * x for x, _ in pts],
+                [100 * y for _, y in pts],
+                styles[line.label],
+                marker="o",
+                ms=3,
+                label=line.label,
+            )
+        ax.axhline(100 * meta["bound"], color="black", lw=1, ls=":", label="infinite-cache bound")
+        ax.set_xscale("log")
+        ax.set_xticks([100 * f for f in sweep.fracs], [f"{100 * f:g}%" for f in sweep.fracs])
+        ax.minorticks_off()
+        ax.set_title(f"{n} replica{'s' if n > 1 else ''}")
+        ax.set_xlabel("capacity per replica (% of distinct blocks)")
+        ax.set_ylabel("prefix blocks hit (%)")
+        ax.grid(alpha=0.3)
+    fig.legend(*fig.axes[0].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=8)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.savefig(out / PLOTS[0], dpi=110)
+    plt.close(fig)
+
+    # TTFT CDF per line at the headline point.
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for line in LINES:
+        rows = [
+            r
+            for r in _pick(results, replicas=hr, line=line.label, frac=frac, **base)
+            if "ttft_s" in r
+        ]
+        if not rows or not rows[0]["ttft_s"]:
+            continue
+        xs = rows[0]["ttft_s"]
+        ys = [(i + 1) / len(xs) for i in range(len(xs))]
+        ax.plot(xs, ys, styles[line.label], label=line.label)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s)")
+    ax.set_ylabel("share of requests")
+    ax.set_title(f"TTFT CDF, {hr} replicas, {100 * frac:g}% capacity each")
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / PLOTS[1], dpi=110)
+    plt.close(fig)
+
+    # Load imbalance per line, at the trace's rate and at the highest offered load.
+    loads = [1.0, min(sweep.time_scales)]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / len(loads)
+    labels = [line.label for line in LINES[:-1]]
+    for k, ts in enumerate(loads):
+        vals = [_at(results, label, hr, frac, time_scale=ts)["load_imbalance"] for label in labels]
+        xs = [i + k * width for i in range(len(labels))]
+        ax.bar(xs, vals, width, label=f"{1 / ts:.3g}x the trace's request rate")
+    ax.set_xticks([i + width * (len(loads) - 1) / 2 for i in range(len(labels))])
+    ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("max / mean prefill busy time")
+    ax.set_ylim(bottom=1.0)
+    ax.set_title(f"Load imbalance, {hr} replicas, {100 * frac:g}% capacity each")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / PLOTS[2], dpi=110)
+    plt.close(fig)
+
+    # Cost saving against the retention TTL.
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    rets = list(sweep.retentions)
+    for line in LINES[:-1]:
+        ys = [
+            100 * _at(results, line.label, hr, frac, retention=ret)["input_cost_saving"]
+            for ret in rets
+        ]
+        ax.plot(rets, ys, marker="o", label=line.label)
+    ax.axhline(0, color="black", lw=0.8)
+    ax.set_xlabel("retention (every request marks its whole prompt)")
+    ax.set_ylabel("prompt cost saving vs no caching (%)")
+    ax.set_title(f"Billed prompt cost, {hr} replicas, {100 * frac:g}% capacity each")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / PLOTS[3], dpi=110)
+    plt.close(fig)
+
+    # Offered load: hit ratio and p90 TTFT against the request rate.
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for line in LINES[:-1]:
+        rows = [_at(results, line.label, hr, frac, time_scale=ts) for ts in sweep.time_scales]
+        rate = [1 / r["time_scale"] for r in rows]
+        a1.plot(rate, [100 * r["ratio_to_bound"] for r in rows], marker="o", label=line.label)
+        a2.plot(rate, [r["ttft_p90_s"] for r in rows], marker="o", label=line.label)
+    a1.set_ylabel("hit ratio / bound (%)")
+    a2.set_ylabel("TTFT p90 (s)")
+    for ax in (a1, a2):
+        ax.set_xlabel("request rate (x the trace's)")
+        ax.grid(alpha=0.3)
+    a2.legend(fontsize=8)
+    fig.suptitle(f"Offered load, {hr} replicas, {100 * frac:g}% capacity each")
+    fig.tight_layout()
+    fig.savefig(out / PLOTS[4], dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------- summary
+
+
+def _pct(x: float | None) -> str:
+    # NOTE: float noise can print a zero saving as "-0.0%"; round first, then add 0.0.
+    return "n/a" if x is None else f"{round(100 * x, 1) + 0.0:.1f}%"
+
+
+def _sec(x: float | None) -> str:
+    # NOTE: a run that served no request (every one rejected) has no TTFT: null in JSON.
+    return "n/a" if x is None else f"{x:.3f} s"
+
+
+def _at(
+    results: Sequence[dict[str, Any]], label: str, n: int, frac: float, **kw: Any
+) -> dict[str, Any]:
+    match = {"retention": "none", "time_scale": 1.0, "seed": 0, **kw}
+    rows = _pick(results, replicas=n, line=label, frac=frac, **match)
+    if not rows:
+        raise KeyError(f"no run for {label} at {n} replicas, {frac}")
+    return rows[0]
+
+
+def _summary(results: list[dict[str, Any]], sweep: Sweep, meta: dict[str, Any]) -> str:
+    hr = sweep.headline_replicas
+    cost = ReplicaCostModel()
+    prices = PriceTable()
+    t = meta["timing"]
+    lines = [
+        "# Trace simulator: results",
+        "",
+        "Generated by `cachepoint sim report` "
+        f"({meta['sweep']} sweep) on {meta['machine']}. Do not edit by hand; rerun it.",
+        "",
+        f"- trace: `{meta['trace']}`, {meta['requests']:,} requests, "
+        f"{meta['distinct_blocks']:,} distinct 512-token prefix blocks",
+        f"- infinite-cache bound: **{100 * meta['bound']:.1f}%** of prefix blocks",
+        f"- full replay, {t['replicas']} replicas at {100 * t['capacity_frac']:g}% each "
+        f"({SHIPPED}): **{t['replay_s']:.1f} s** replay + {t['prepare_s']:.1f} s loading "
+        f"and hashing = {t['total_s']:.1f} s (target: under 60 s)",
+        "",
+        f"## Headline: {hr} replicas",
+        "",
+        "| routing + eviction | capacity/replica | hit ratio | ratio to bound | "
+        "seed range | goal | TTFT p50 | p90 | p99 | "
+        "queue p99 | imbalance |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for frac in sweep.headline_fracs:
+        for line in LINES:
+            r = _at(results, line.label, hr, frac)
+            ratios = [
+                _at(results, line.label, hr, frac, seed=s)["ratio_to_bound"] for s in sweep.seeds
+            ]
+            hits = [_at(results, line.label, hr, frac, seed=s)["hit_ratio"] for s in sweep.seeds]
+            goal = TARGETS.get(frac)
+            goal_txt = f"≥{100 * goal:.0f}%" if goal and line.label == SHIPPED else ""
+            name = f"**{line.label}** (shipped)" if line.label == SHIPPED else line.label
+            if line.reference:
+                name += " (clairvoyant reference)"
+            lines.append(
+                f"| {name} | {100 * frac:g}% | {_pct(sum(hits) / len(hits))} | "
+                f"{_pct(sum(ratios) / len(ratios))} | {_pct(min(ratios))}–{_pct(max(ratios))} | "
+                f"{goal_txt} | {_sec(r['ttft_p50_s'])} | "
+                f"{_sec(r['ttft_p90_s'])} | {_sec(r['ttft_p99_s'])} | "
+                f"{_sec(r['queue_p99_s'])} | {r['load_imbalance']:.2f} |"
+            )
+    lines += [
+        "",
+        f"Hit ratio and ratio to bound are the mean over seeds {list(sweep.seeds)} (routing "
+        "ties are sampled); TTFT, queueing, imbalance and every other table are seed 0.",
+        "",
+    ]
+    prof = meta["profile"]
+    lines += [
+        "## Where the gap to the bound comes from",
+        "",
+        f"One pool holding the whole fleet's capacity ({hr} x the per-replica capacity, "
+        f"arrivals {hr} x further apart so its one engine is as busy as each replica), "
+        "where routing cannot lose a hit, reaches:",
+        "",
+        "| eviction | "
+        + " | ".join(f"{hr} x {100 * f:g}% in one pool" for f in sweep.headline_fracs)
+        + " |",
+        "|---|" + "---|" * len(sweep.headline_fracs),
+    ]
+    for label in POOLED:
+        cells = [
+            _pct(_at(results, label, 1, f * hr, time_scale=float(hr))["ratio_to_bound"])
+            for f in sweep.headline_fracs
+        ]
+        lines.append(f"| {label.split(' + ')[1]} | " + " | ".join(cells) + " |")
+    reuse = ", ".join(f"{_pct(p)} after {k + 1}" for k, p in enumerate(prof["reuse_given_uses"]))
+    gaps = ", ".join(f"p{round(100 * q)} {g:.0f} s" for q, g in prof["gap_quantiles_s"])
+    cap = " and ".join(
+        f"{round(hr * f * prof['distinct_blocks']):,} ({100 * f:g}% each)"
+        for f in sweep.headline_fracs
+    )
+    lines += [
+        "",
+        f"- {_pct(prof['used_once'] / prof['distinct_blocks'])} of the "
+        f"{prof['distinct_blocks']:,} distinct blocks are used by one request only.",
+        f"- Chance a block is used again, by how often it has been used: {reuse}.",
+        f"- At most {prof['max_live_blocks']:,} blocks are ever live at once (will be used "
+        f"again), against a fleet capacity of {cap} blocks.",
+        f"- Time between two uses of a block: {gaps}.",
+        "",
+        "A pool that knew which blocks come back would hold every live block; LRU instead",
+        "keeps whatever is recent, and most of what is recent is never used again.",
+        "",
+    ]
+    frac = sweep.headline_fracs[0]
+    lines += [
+        "`oracle` evicts the block whose next use in the trace is furthest away (Belady); it",
+        "knows the future and is drawn only to show how much of the gap to the bound is the",
+        "pool not knowing which blocks will be reused, rather than routing or mechanics.",
+        "",
+        f"## Offered load ({hr} replicas, {100 * frac:g}% each)",
+        "",
+        "| routing + eviction | rate | ratio to bound | TTFT p50 | p90 | p99 | queue p99 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for ts in sweep.time_scales:
+        for line in LINES[:-1]:
+            r = _at(results, line.label, hr, frac, time_scale=ts)
+            lines.append(
+                f"| {line.label} | {1 / ts:.3g}x | {_pct(r['ratio_to_bound'])} | "
+                f"{_sec(r['ttft_p50_s'])} | {_sec(r['ttft_p90_s'])} | {_sec(r['ttft_p99_s'])} | "
+                f"{_sec(r['queue_p99_s'])} |"
+            )
+    lines += [
+        "",
+        f"## Retention and the bill ({hr} replicas, {100 * frac:g}% each)",
+        "",
+        "Every request marks its whole prompt with the TTL (an agent's last-message",
+        "breakpoint); `none` sends no markers, so nothing is billed as cache.",
+        "",
+        "| routing + eviction | retention | ratio to bound | prompt cost saving | "
+        "total bill saving | retain refusals |",
+        "|---|---|---|---|---|---|",
+    ]
+    for ret in sweep.retentions:
+        for line in LINES[:-1]:
+            r = _at(results, line.label, hr, frac, retention=ret)
+            lines.append(
+                f"| {line.label} | {ret} | {_pct(r['ratio_to_bound'])} | "
+                f"{_pct(r['input_cost_saving'])} | {_pct(r['cost_saving'])} | "
+                f"{r['retain_refusals']:,} |"
+            )
+    lines += [
+        "",
+        "## Ratio to bound by fleet size and capacity",
+        "",
+        "| routing + eviction | replicas | "
+        + " | ".join(f"{100 * f:g}%" for f in sweep.fracs)
+        + " |",
+        "|---|---|" + "---|" * len(sweep.fracs),
+    ]
+    for n in sweep.replicas:
+        for line in LINES:
+            cells = [_pct(_at(results, line.label, n, f)["ratio_to_bound"]) for f in sweep.fracs]
+            lines.append(f"| {line.label} | {n} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "## Figures used",
+        "",
+        f"- cost model `{cost.name}`: {cost.peak_flops / 1e12:g} TFLOPS peak BF16 at "
+        f"{100 * cost.prefill_mfu:g}% MFU in prefill, {cost.hbm_bytes_per_s / 1e12:g} TB/s HBM at "
+        f"{100 * cost.decode_bw_efficiency:g}% in decode, KV {cost.kv_bytes_per_token // 1024} KiB "
+        f"a token; cold prefill of 8,192 tokens = {cost.prefill_s(8192, 0):.3f} s "
+        f"({cost.prefill_tokens_per_s():,.0f} tokens/s). See docs/sim.md.",
+        f"- prices: ${prices.input_per_mtok:g} / ${prices.output_per_mtok:g} per million input / "
+        f"output tokens; cache read {prices.cache_read_mult:g}x, 5m write "
+        f"{prices.write_5m_mult:g}x, 1h write {prices.write_1h_mult:g}x.",
+        "",
+        "## Plots",
+        "",
+    ]
+    lines += [f"- [{p}]({p})" for p in PLOTS]
+    lines += [
+        "",
+        "## Reproduce",
+        "",
+        "```",
+        f"cachepoint sim report --trace {meta['trace']}"
+        + ("" if meta["sweep"] == "full" else " --quick"),
+        f"cachepoint sim --trace {meta['trace']} --replicas {hr} --capacity-frac {frac} --json",
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
