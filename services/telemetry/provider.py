@@ -84,7 +84,12 @@ def configure(
     import os
 
     settings = settings or TelemetrySettings()
-    if not settings.enabled:
+    endpoint = settings.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    kind = settings.exporter
+    if kind == "auto":
+        kind = "otlp-grpc" if endpoint else ("file" if settings.traces_dir else "none")
+    # NOTE: spans nobody exports are pure overhead on every request: no exporter, no tracing.
+    if not settings.enabled or (kind == "none" and exporter is None):
         return disabled()
     resource = Resource.create(
         {"service.name": service, "service.version": VERSION, **(attributes or {})}
@@ -93,10 +98,6 @@ def configure(
         resource=resource, sampler=ParentBased(TraceIdRatioBased(settings.sample_ratio))
     )
     processors: list[SpanProcessor] = []
-    endpoint = settings.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    kind = settings.exporter
-    if kind == "auto":
-        kind = "otlp-grpc" if endpoint else ("file" if settings.traces_dir else "none")
     if exporter is not None:
         processors.append(SimpleSpanProcessor(exporter))
     elif kind == "file":
