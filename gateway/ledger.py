@@ -7,12 +7,16 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from fractions import Fraction
 
-from sqlalchemy import insert
+from sqlalchemy import Engine, insert
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from .contract.billing import Buckets, Price, cost_micros
 from .db.models import ModelPrice, UsageRecord
+
+# NOTE: one prebuilt insert with bound parameters: a fresh .values() statement per
+# row is recompiled every time (measured 4x slower on SQLite).
+_INSERT = insert(UsageRecord)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,31 +46,46 @@ def price_for(session: Session, model: str, default: Price) -> Price:
 
 def record(session: Session, charge: Charge, price: Price, now: datetime | None = None) -> bool:
     """Insert the usage row and commit. False when this request id was already billed."""
-    now = now or datetime.now(UTC)
-    b = charge.buckets
-    # NOTE: a Core insert, not an ORM add: this is on every request's path, and the
-    # unit-of-work machinery doubled the cost of a row here.
-    stmt = insert(UsageRecord).values(
-        request_id=charge.request_id,
-        org_id=charge.org_id,
-        workspace_id=charge.workspace_id,
-        api_key_id=charge.api_key_id,
-        model=charge.model,
-        replica=charge.replica,
-        scope=charge.scope,
-        input_tokens=b.input_tokens,
-        cache_read_input_tokens=b.cache_read_input_tokens,
-        cache_write_5m_tokens=b.cache_write_5m_tokens,
-        cache_write_1h_tokens=b.cache_write_1h_tokens,
-        output_tokens=b.output_tokens,
-        cost_micros=cost_micros(b, price),
-        created_at=now,
-        created_s=int(now.timestamp()),
-    )
     try:
-        session.execute(stmt)
+        session.execute(_INSERT, [_row(charge, price, now)])
         session.commit()
     except IntegrityError:
         session.rollback()
         return False
     return True
+
+
+def record_on(engine: Engine, charge: Charge, price: Price) -> bool:
+    """`record` on a bare connection: the request path's version.
+
+    NOTE: a Session costs about 250 µs a commit on top of SQLite's own work; the
+    ledger insert needs none of its unit-of-work machinery.
+    """
+    try:
+        with engine.begin() as conn:
+            conn.execute(_INSERT, [_row(charge, price, None)])
+    except IntegrityError:
+        return False
+    return True
+
+
+def _row(charge: Charge, price: Price, now: datetime | None) -> dict[str, object]:
+    now = now or datetime.now(UTC)
+    b = charge.buckets
+    return {
+        "request_id": charge.request_id,
+        "org_id": charge.org_id,
+        "workspace_id": charge.workspace_id,
+        "api_key_id": charge.api_key_id,
+        "model": charge.model,
+        "replica": charge.replica,
+        "scope": charge.scope,
+        "input_tokens": b.input_tokens,
+        "cache_read_input_tokens": b.cache_read_input_tokens,
+        "cache_write_5m_tokens": b.cache_write_5m_tokens,
+        "cache_write_1h_tokens": b.cache_write_1h_tokens,
+        "output_tokens": b.output_tokens,
+        "cost_micros": cost_micros(b, price),
+        "created_at": now,
+        "created_s": int(now.timestamp()),
+    }

@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from .contract.billing import Price, cost_micros
 from .contract.render import Renderer
-from .ledger import Charge, price_for, record
+from .ledger import Charge, price_for, record_on
 from .metrics import GatewayMetrics
 from .settings import GatewaySettings
 from .tenants import KeyContext, authenticate, hash_key
@@ -28,6 +28,9 @@ class GatewayState:
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     # key hash -> (context or None, monotonic expiry): keeps auth off the DB per request
     _auth_cache: dict[str, tuple[KeyContext | None, float]] = field(default_factory=dict)
+    # model -> (price, monotonic expiry): prices change rarely; reading them per request
+    # cost a query on the billing path
+    _price_cache: dict[str, tuple[Price, float]] = field(default_factory=dict)
 
     # Models the live replicas report (set by the app from the directory).
     served_models: Callable[[], set[str]] = field(default_factory=lambda: set)
@@ -59,15 +62,21 @@ class GatewayState:
         return ctx
 
     def price(self, model: str) -> Price:
+        now = time.monotonic()
+        hit = self._price_cache.get(model)
+        if hit is not None and hit[1] > now:
+            return hit[0]
         with self.sessions() as session:
-            return price_for(session, model, self.default_price)
+            price = price_for(session, model, self.default_price)
+        self._price_cache[model] = (price, now + self.settings.auth_cache_seconds)
+        return price
 
     def bill(self, charge: Charge) -> int | None:
         """Write the usage row (idempotent by request id); runs in a worker thread.
         Returns the cost in micro-dollars, or None if this request was already billed."""
-        with self.sessions() as session:
-            price = price_for(session, charge.model, self.default_price)
-            inserted = record(session, charge, price)
+        price = self.price(charge.model)
+        bind = self.sessions.kw["bind"]
+        inserted = record_on(bind, charge, price)
         if not inserted:
             return None
         cost = cost_micros(charge.buckets, price)
