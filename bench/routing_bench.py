@@ -162,10 +162,15 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--tenants", type=int, default=6)
     ap.add_argument("--sessions", type=int, default=2, help="concurrent sessions per tenant")
-    ap.add_argument("--turns", type=int, default=5, help="turns per session")
-    ap.add_argument("--system-tokens", type=int, default=2048, help="system prompt length")
+    ap.add_argument("--turns", type=int, default=6, help="turns per session")
+    ap.add_argument("--system-tokens", type=int, default=1536, help="system prompt length")
+    ap.add_argument("--turn-tokens", type=int, default=384, help="tool output added per turn")
     ap.add_argument("--preset", default="small", choices=["tiny", "small"], help="replica model")
-    ap.add_argument("--kv-budget", default="24MiB", help="KV memory per replica")
+    ap.add_argument(
+        "--kv-budget",
+        default="32MiB",
+        help="KV memory per replica (32MiB: the least that fits one max-length sequence)",
+    )
     ap.add_argument("--policies", default="cache_aware,round_robin,least_loaded")
     args = ap.parse_args()
     results = {}
@@ -174,7 +179,8 @@ def main() -> None:
         results[policy] = run_policy(policy, args)
     print(
         f"{args.tenants} tenants x {args.sessions} sessions x {args.turns} turns, "
-        f"{args.system_tokens}-token system prompts, {args.replicas} replicas "
+        f"{args.system_tokens}-token system prompts, {args.turn_tokens} tokens added a turn, "
+        f"{args.replicas} replicas "
         f"({args.preset} model, {args.kv_budget} KV each)"
     )
     head = (

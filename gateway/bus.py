@@ -15,13 +15,13 @@ import time
 from collections.abc import Sequence
 
 import httpx
-import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Link, SpanKind
 
 from cachepoint.events import schema
+from cachepoint.events.connect import connect_forever
 from cachepoint.events.subjects import HEARTBEAT, KV_ALL, snapshot_subject
 
 from .directory import ReplicaDirectory
@@ -73,27 +73,18 @@ class GatewayBus:
 
     async def _connect(self) -> None:
         assert self.nats_url is not None
-        while self.nc is None:
-            try:
-                nc = await nats.connect(
-                    self.nats_url,
-                    name="cachepoint-gateway",
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=0.5,
-                    connect_timeout=2,
-                    disconnected_cb=self._on_disconnect,
-                    reconnected_cb=self._on_reconnect,
-                    error_cb=self._on_error,
-                )
-            except Exception as exc:
-                log.warning("NATS %s unreachable (%s); routing on load only", self.nats_url, exc)
-                await asyncio.sleep(1.0)
-                continue
-            await nc.subscribe(KV_ALL, cb=self._on_kv)
-            await nc.subscribe(HEARTBEAT, cb=self._on_heartbeat)
-            self.nc = nc
-            self.connected = True
-            self._resync_all()
+        nc = await connect_forever(
+            self.nats_url,
+            "cachepoint-gateway",
+            disconnected_cb=self._on_disconnect,
+            reconnected_cb=self._on_reconnect,
+            error_cb=self._on_error,
+        )
+        await nc.subscribe(KV_ALL, cb=self._on_kv)
+        await nc.subscribe(HEARTBEAT, cb=self._on_heartbeat)
+        self.nc = nc
+        self.connected = True
+        self._resync_all()
 
     async def _on_disconnect(self) -> None:
         self.connected = False

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pydantic import ValidationError
+from cachepoint.serve import serve, settings_from_flags
 
 from .settings import GatewaySettings
 
@@ -45,20 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    overrides = {k: v for k, v in vars(args).items() if v is not None and k != "log_level"}
-    try:
-        settings = GatewaySettings(**overrides)
-    except ValidationError as exc:
-        parser.error("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
-
-    import uvicorn
+    settings = settings_from_flags(parser, args, GatewaySettings)
 
     from .app import create_app
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    uvicorn.run(
-        create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level
-    )
+    serve(lambda: create_app(settings), settings.host, settings.port, args.log_level)
     return 0
 
 

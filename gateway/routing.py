@@ -54,6 +54,11 @@ class DirectoryRouter:
             raise overloaded(f"no replica can take the request: {exc}") from exc
         url = self.directory.url_of(decision.replica)
         assert url is not None, "views() only lists replicas with a URL"
+        # NOTE: heartbeats report load once a second; a burst routed in between would
+        # all see the same stale numbers and pile onto one replica. Count the prefill
+        # just sent until the next heartbeat reports the truth (which includes it).
+        chosen = next(v for v in views if v.name == decision.replica)
+        chosen.queued_prefill_tokens += max(0, len(req.tokens) - decision.matched_tokens)
         return Routed(self._client(decision.replica, url), decision)
 
     def report_failure(self, name: str) -> None:

@@ -202,6 +202,10 @@ class Stack:
             "CACHEPOINT_TELEMETRY_TRACES_DIR": str((self.state_dir / "traces").resolve()),
             "CACHEPOINT_TELEMETRY_ENABLED": "true" if self.tracing else "false",
         }
+        if name.startswith("replica-"):
+            # NOTE: replicas on one machine share its cores; torch's default of one
+            # thread per core each oversubscribes them and every forward slows down.
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.replicas)))
         proc = subprocess.Popen(
             args, stdout=fh, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
         )

@@ -13,13 +13,13 @@ import contextlib
 import logging
 import time
 
-import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
 from cachepoint.events import schema
+from cachepoint.events.connect import connect_forever
 from cachepoint.events.subjects import HEARTBEAT, kv_subject, snapshot_subject
 from cachepoint.kvcore import KVEvent
 
@@ -72,23 +72,11 @@ class NatsBus:
                 await self.nc.drain()
 
     async def _connect(self) -> None:
-        """Keep trying until the first connection; nats-py reconnects after that."""
-        while self.nc is None:
-            try:
-                nc = await nats.connect(
-                    self.nats_url,
-                    name=f"replica-{self.scheduler.name}",
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=0.5,
-                    connect_timeout=2,
-                    error_cb=self._on_error,
-                )
-            except Exception as exc:
-                log.warning("NATS %s unreachable (%s); retrying", self.nats_url, exc)
-                await asyncio.sleep(1.0)
-                continue
-            await nc.subscribe(snapshot_subject(self.scheduler.name), cb=self._on_snapshot)
-            self.nc = nc
+        nc = await connect_forever(
+            self.nats_url, f"replica-{self.scheduler.name}", error_cb=self._on_error
+        )
+        await nc.subscribe(snapshot_subject(self.scheduler.name), cb=self._on_snapshot)
+        self.nc = nc
 
     async def _on_error(self, exc: Exception) -> None:
         log.debug("NATS error: %s", exc)

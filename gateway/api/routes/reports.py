@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from ...errors import invalid
@@ -13,38 +15,43 @@ from ...reports import (
     USAGE_GROUPS,
     WIDTHS,
     ReportError,
+    ReportQuery,
     cost_report,
     parse_query,
     usage_report,
 )
+from ...state import GatewayState
 from ..deps import AdminCallerDep, StateDep
 
 router = APIRouter(prefix="/v1/organizations", tags=["reports"])
 
 
-@router.get("/usage_report/messages")
-async def messages_usage(request: Request, state: StateDep, ctx: AdminCallerDep) -> Any:
+async def _report(
+    request: Request,
+    state: GatewayState,
+    org_id: str,
+    groups: set[str],
+    build: Callable[[Session, ReportQuery], dict[str, Any]],
+) -> dict[str, Any]:
     try:
-        q = parse_query(ctx.org_id, request.query_params.multi_items(), USAGE_GROUPS, WIDTHS)
+        q = parse_query(org_id, request.query_params.multi_items(), groups, WIDTHS)
     except ReportError as exc:
         raise invalid(str(exc)) from exc
 
     def run() -> dict[str, Any]:
         with state.sessions() as session:
-            return usage_report(session, q)
+            return build(session, q)
 
     return await run_in_threadpool(run)
+
+
+@router.get("/usage_report/messages")
+async def messages_usage(request: Request, state: StateDep, ctx: AdminCallerDep) -> Any:
+    return await _report(request, state, ctx.org_id, USAGE_GROUPS, usage_report)
 
 
 @router.get("/cost_report")
 async def cost(request: Request, state: StateDep, ctx: AdminCallerDep) -> Any:
-    try:
-        q = parse_query(ctx.org_id, request.query_params.multi_items(), COST_GROUPS, WIDTHS)
-    except ReportError as exc:
-        raise invalid(str(exc)) from exc
-
-    def run() -> dict[str, Any]:
-        with state.sessions() as session:
-            return cost_report(session, q, state.price)
-
-    return await run_in_threadpool(run)
+    return await _report(
+        request, state, ctx.org_id, COST_GROUPS, lambda s, q: cost_report(s, q, state.price)
+    )
