@@ -94,8 +94,7 @@ def main() -> None:
     finally:
         for s in stacks.values():
             s.stop()
-    print("on ", [round(x * 1e3) for x in lat["on"]])
-    print("off", [round(x * 1e3) for x in lat["off"]])
+
     n = len(lat["on"])
     print(
         f"tracing overhead: {n} requests per side ({args.sessions} sessions x {args.turns} "
@@ -112,7 +111,7 @@ def main() -> None:
     over50 = pct(lat["on"], 50) / pct(lat["off"], 50) - 1
     print(
         f"overhead: {over:+.1%} on the mean, {over50:+.1%} on the median "
-        f"(target < 5%: {'met' if over < 0.05 else 'MISSED'})"
+        f"(target < 5% on both: {'met' if max(over, over50) < 0.05 else 'MISSED'})"
     )
 
 

@@ -103,7 +103,7 @@ def configure(
     elif kind == "file":
         folder = settings.traces_dir or Path(".cachepoint/traces")
         processors.append(
-            BatchSpanProcessor(JsonLinesSpanExporter(folder, service), schedule_delay_millis=200)
+            BatchSpanProcessor(JsonLinesSpanExporter(folder, service), schedule_delay_millis=1000)
         )
     elif kind in ("otlp-grpc", "otlp-http"):
         processors.append(BatchSpanProcessor(_otlp(kind, endpoint)))

@@ -6,14 +6,16 @@ the OTLP exporter sends to the collector instead.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+import msgspec
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+_encode = msgspec.json.Encoder(enc_hook=str).encode
 
 
 def span_record(span: ReadableSpan) -> dict[str, object]:
@@ -50,9 +52,11 @@ class JsonLinesSpanExporter(SpanExporter):
         self._lock = threading.Lock()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        lines = "".join(json.dumps(span_record(s), default=str) + "\n" for s in spans)
-        with self._lock, open(self.path, "a", encoding="utf-8") as f:
-            f.write(lines)
+        # NOTE: msgspec, not json: the export thread holds the GIL while it encodes,
+        # and on a small machine that time comes straight out of request handling.
+        data = b"".join(_encode(span_record(s)) + b"\n" for s in spans)
+        with self._lock, open(self.path, "ab") as f:
+            f.write(data)
         return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:
