@@ -52,8 +52,13 @@ pytest: $(STAMP) $(HELM)  ## the whole pytest suite (slow tests included)
 
 test: lint typecheck pytest  ## set up, then lint, typecheck and run every test
 
-bench: $(STAMP)  ## run the benchmarks (never part of `make test`)
+bench: $(STAMP)  ## run every benchmark (minutes; never part of `make test`)
 	$(PY) bench/kvcore_bench.py
+	$(PY) bench/prefill_bench.py
+	$(PY) bench/gateway_bench.py
+	$(PY) bench/routing_bench.py
+	$(PY) bench/tracing_bench.py --sessions 8
+	$(VENV)/bin/cachepoint sim report
 
 clean:  ## remove the venv and caches
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
