@@ -2,7 +2,11 @@
 tracing on (spans to the local span files, as `cachepoint up` runs) and one with it
 off, requests interleaved so both see the same machine load.
 
-Run:  .venv/bin/python bench/tracing_bench.py [--sessions 4] [--turns 10]
+Run:  .venv/bin/python bench/tracing_bench.py [--sessions 8] [--turns 12]
+
+The workload is the demo's (`cachepoint up --demo`): tools, a global 1h system
+prompt and a dynamic tail, tool_use / tool_result turns with the breakpoint on the
+last message, streamed, 24 output tokens.
 """
 
 from __future__ import annotations
@@ -15,7 +19,14 @@ from pathlib import Path
 
 import anthropic
 
-from cachepoint.demo_session import SCOPE_BETA, STATIC_SYSTEM, TOOLS
+from cachepoint.demo_session import (
+    MAX_TOKENS,
+    SCOPE_BETA,
+    TOOLS,
+    assistant_turn,
+    next_request,
+    system_blocks,
+)
 from cachepoint.stack import Stack, free_port
 
 
@@ -27,8 +38,8 @@ def pct(xs: list[float], p: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--sessions", type=int, default=4)
-    ap.add_argument("--turns", type=int, default=10)
-    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=12, help="as the demo (12)")
+    ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="as the demo (24)")
     args = ap.parse_args()
     stacks = {
         "on": Stack(Path(tempfile.mkdtemp(prefix="cp-trace-on-")), replicas=1, port=free_port()),
@@ -47,50 +58,30 @@ def main() -> None:
             for k, s in stacks.items()
         }
         lat: dict[str, list[float]] = {"on": [], "off": []}
-        system = [
-            {
-                "type": "text",
-                "text": STATIC_SYSTEM,
-                "cache_control": {"type": "ephemeral", "ttl": "1h", "scope": "global"},
-            }
-        ]
+        system = system_blocks()
         for sid in range(args.sessions):
-            history: list[dict] = []
-            for turn in range(args.turns):
-                for m in history:
-                    for b in m["content"]:
-                        b.pop("cache_control", None)
-                history.append(
-                    {
-                        "role": "user",
-                        "content": [
-                            {
-                                "type": "text",
-                                "text": f"session {sid} step {turn}: read the next file.",
-                                "cache_control": {"type": "ephemeral"},
-                            }
-                        ],
-                    }
-                )
+            messages: list[dict] = []
+            tool_id = None
+            for turn in range(1, args.turns + 1):
+                next_request(messages, turn, tool_id)
                 order = ("on", "off") if (sid + turn) % 2 == 0 else ("off", "on")
                 for which in order:
+                    # The demo's request: streamed, with its tools, betas and max_tokens.
                     t0 = time.perf_counter()
-                    clients[which].messages.create(
+                    with clients[which].messages.stream(
                         model="cachepoint-tiny",
                         max_tokens=args.max_tokens,
                         tools=TOOLS,
                         system=system,
-                        messages=history,
+                        messages=messages,
                         extra_body={"temperature": 0.0},
                         extra_headers={"anthropic-beta": SCOPE_BETA},
-                    )
+                    ) as stream:
+                        stream.until_done()
                     lat[which].append(time.perf_counter() - t0)
-                history.append(
-                    {
-                        "role": "assistant",
-                        "content": [{"type": "text", "text": f"Step {turn} done."}],
-                    }
-                )
+                # Both stacks see the same history: a fixed reply, as the demo's shape.
+                reply, tool_id = assistant_turn(turn, f"Step {turn} done.")
+                messages.append(reply)
     finally:
         for s in stacks.values():
             s.stop()
@@ -98,7 +89,7 @@ def main() -> None:
     n = len(lat["on"])
     print(
         f"tracing overhead: {n} requests per side ({args.sessions} sessions x {args.turns} "
-        f"turns, demo prompts, {args.max_tokens} output tokens), one replica each"
+        f"turns of the demo workload, {args.max_tokens} output tokens), one replica each"
     )
     print(f"{'':12}{'mean ms':>10}{'p50 ms':>10}{'p90 ms':>10}")
     for k in ("off", "on"):

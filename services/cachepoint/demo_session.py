@@ -72,7 +72,23 @@ class Turn:
     request_id: str
 
 
-def _user_turn(i: int, tool_id: str | None) -> dict[str, Any]:
+MAX_TOKENS = 24
+
+
+def system_blocks() -> list[dict[str, Any]]:
+    """The long static prompt, shared across tenants (global, 1h), then a dynamic tail."""
+    return [
+        {
+            "type": "text",
+            "text": STATIC_SYSTEM,
+            "cache_control": {"type": "ephemeral", "ttl": "1h", "scope": "global"},
+        },
+        {"type": "text", "text": f"Session started {time.strftime('%Y-%m-%d %H:%M')}; user: demo."},
+    ]
+
+
+def user_turn(i: int, tool_id: str | None) -> dict[str, Any]:
+    """Turn i's user message: the last tool's result, then the next instruction."""
     blocks: list[dict[str, Any]] = []
     if tool_id is not None:
         path = FILES[i % len(FILES)]
@@ -87,7 +103,33 @@ def _user_turn(i: int, tool_id: str | None) -> dict[str, Any]:
     return {"role": "user", "content": blocks}
 
 
-def _strip_breakpoints(messages: list[dict[str, Any]]) -> None:
+def assistant_turn(i: int, text: str) -> tuple[dict[str, Any], str]:
+    """The assistant's reply: its text, then a tool call; returns the call's id too."""
+    tool_id = f"toolu_{i:04d}"
+    message = {
+        "role": "assistant",
+        "content": [
+            {"type": "text", "text": text or "Reading the next file."},
+            {
+                "type": "tool_use",
+                "id": tool_id,
+                "name": "read_file",
+                "input": {"path": FILES[(i + 1) % len(FILES)]},
+            },
+        ],
+    }
+    return message, tool_id
+
+
+def next_request(messages: list[dict[str, Any]], i: int, tool_id: str | None) -> None:
+    """Append turn i's user message; only the last message carries the breakpoint."""
+    strip_breakpoints(messages)
+    msg = user_turn(i, tool_id)
+    msg["content"][-1]["cache_control"] = {"type": "ephemeral"}
+    messages.append(msg)
+
+
+def strip_breakpoints(messages: list[dict[str, Any]]) -> None:
     for m in messages:
         if isinstance(m["content"], list):
             for b in m["content"]:
@@ -100,29 +142,19 @@ def run_session(
     console = console or Console()
     client = anthropic.Anthropic(base_url=base_url, api_key=api_key, max_retries=2)
     price = Price(3_000_000, 15_000_000)  # the gateway's default price table
-    system = [
-        {
-            "type": "text",
-            "text": STATIC_SYSTEM,
-            "cache_control": {"type": "ephemeral", "ttl": "1h", "scope": "global"},
-        },
-        {"type": "text", "text": f"Session started {time.strftime('%Y-%m-%d %H:%M')}; user: demo."},
-    ]
+    system = system_blocks()
     messages: list[dict[str, Any]] = []
     results: list[Turn] = []
     tool_id: str | None = None
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("agent session", total=turns)
         for i in range(1, turns + 1):
-            _strip_breakpoints(messages)
-            msg = _user_turn(i, tool_id)
-            msg["content"][-1]["cache_control"] = {"type": "ephemeral"}
-            messages.append(msg)
+            next_request(messages, i, tool_id)
             t0 = time.perf_counter()
             ttft = 0.0
             with client.messages.stream(
                 model=MODEL,
-                max_tokens=24,
+                max_tokens=MAX_TOKENS,
                 tools=TOOLS,
                 system=system,
                 messages=messages,
@@ -160,22 +192,9 @@ def run_session(
                     request_id,
                 )
             )
-            tool_id = f"toolu_{i:04d}"
             text = final.content[0].text if final.content else ""
-            messages.append(
-                {
-                    "role": "assistant",
-                    "content": [
-                        {"type": "text", "text": text or "Reading the next file."},
-                        {
-                            "type": "tool_use",
-                            "id": tool_id,
-                            "name": "read_file",
-                            "input": {"path": FILES[(i + 1) % len(FILES)]},
-                        },
-                    ],
-                }
-            )
+            reply, tool_id = assistant_turn(i, text)
+            messages.append(reply)
             progress.advance(task)
     return results
 
