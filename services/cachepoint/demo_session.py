@@ -45,7 +45,7 @@ STATIC_SYSTEM = (
     "You are a careful software engineering agent working in a Python repository. "
     "Read before you write, keep changes small, run the tests after every change, and "
     "explain what you did in plain words. Never invent file contents; use the tools. "
-) * 12
+) * 8
 
 FILES = [
     "services/kvcore/pool.py",
@@ -96,7 +96,7 @@ def user_turn(i: int, tool_id: str | None) -> dict[str, Any]:
             {
                 "type": "tool_result",
                 "tool_use_id": tool_id,
-                "content": f"# {path}\n" + "def function_{i}(x):\n    return x * {i}\n" * 6,
+                "content": f"# {path}\n" + "def function_{i}(x):\n    return x * {i}\n" * 3,
             }
         )
     blocks.append({"type": "text", "text": f"Step {i}: look at the next file and report."})

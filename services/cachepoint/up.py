@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
+import anthropic
 from rich.console import Console
 
 from .stack import Stack, StackError
@@ -101,7 +102,11 @@ def run_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if args.demo:
             from .demo_session import print_report, run_session
 
-            turns = run_session(ep["base_url"], ep["api_key"], args.turns, console)
+            try:
+                turns = run_session(ep["base_url"], ep["api_key"], args.turns, console)
+            except anthropic.APIError as exc:
+                console.print(f"[red]the demo session failed: {exc}[/red]")
+                return 1
             print_report(turns, console)
             from .traces_cmd import show
 
