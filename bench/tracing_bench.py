@@ -39,10 +39,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--sessions", type=int, default=4)
     ap.add_argument("--turns", type=int, default=12, help="as the demo (12)")
+    ap.add_argument(
+        "--noise-floor", action="store_true", help="both stacks untraced: the A/A difference"
+    )
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="as the demo (24)")
     args = ap.parse_args()
+    # --noise-floor runs the same comparison with tracing off on both sides (an A/A
+    # test): how far apart two identical stacks land on this machine.
+    on_tracing = not args.noise_floor
     stacks = {
-        "on": Stack(Path(tempfile.mkdtemp(prefix="cp-trace-on-")), replicas=1, port=free_port()),
+        "on": Stack(
+            Path(tempfile.mkdtemp(prefix="cp-trace-on-")),
+            replicas=1,
+            port=free_port(),
+            tracing=on_tracing,
+        ),
         "off": Stack(
             Path(tempfile.mkdtemp(prefix="cp-trace-off-")),
             replicas=1,
