@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import kopf
@@ -72,57 +73,36 @@ def list_pods(namespace: str, selector: str) -> list[dict[str, Any]]:
     return list(_json(response).get("items") or [])
 
 
+def _call(expected: int, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any | None:
+    """Make one raw API call; None when it fails with ``expected`` (404 gone, 409 exists),
+    which the callers treat as an answer rather than an error."""
+    try:
+        return method(*args, _preload_content=False, _request_timeout=TIMEOUT, **kwargs)
+    except ApiException as e:
+        if e.status == expected:
+            return None
+        raise
+
+
 def create_pod(pod: dict[str, Any]) -> bool:
     """Create; False when a pod of that name already exists (another pass got there)."""
-    try:
-        _core().create_namespaced_pod(
-            pod["metadata"]["namespace"], pod, _preload_content=False, _request_timeout=TIMEOUT
-        )
-    except ApiException as e:
-        if e.status == 409:
-            return False
-        raise
-    return True
+    ns = pod["metadata"]["namespace"]
+    return _call(409, _core().create_namespaced_pod, ns, pod) is not None
 
 
 def delete_pod(namespace: str, name: str) -> bool:
     """Delete; False when it was already gone."""
-    try:
-        _core().delete_namespaced_pod(
-            name, namespace, _preload_content=False, _request_timeout=TIMEOUT
-        )
-    except ApiException as e:
-        if e.status == 404:
-            return False
-        raise
-    return True
+    return _call(404, _core().delete_namespaced_pod, name, namespace) is not None
 
 
 def get_service(namespace: str, name: str) -> dict[str, Any] | None:
-    try:
-        response = _core().read_namespaced_service(
-            name, namespace, _preload_content=False, _request_timeout=TIMEOUT
-        )
-    except ApiException as e:
-        if e.status == 404:
-            return None
-        raise
-    return _json(response)
+    response = _call(404, _core().read_namespaced_service, name, namespace)
+    return None if response is None else _json(response)
 
 
 def create_service(service: dict[str, Any]) -> bool:
-    try:
-        _core().create_namespaced_service(
-            service["metadata"]["namespace"],
-            service,
-            _preload_content=False,
-            _request_timeout=TIMEOUT,
-        )
-    except ApiException as e:
-        if e.status == 409:
-            return False
-        raise
-    return True
+    ns = service["metadata"]["namespace"]
+    return _call(409, _core().create_namespaced_service, ns, service) is not None
 
 
 def patch_service(namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
@@ -137,12 +117,4 @@ def patch_service(namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
 
 
 def delete_service(namespace: str, name: str) -> bool:
-    try:
-        _core().delete_namespaced_service(
-            name, namespace, _preload_content=False, _request_timeout=TIMEOUT
-        )
-    except ApiException as e:
-        if e.status == 404:
-            return False
-        raise
-    return True
+    return _call(404, _core().delete_namespaced_service, name, namespace) is not None
