@@ -28,6 +28,7 @@ from cachepoint.gateway.db.migrate import upgrade
 from cachepoint.gateway.db.session import make_engine, make_sessionmaker
 from cachepoint.gateway.schemas.messages import MessagesRequest
 from cachepoint.gateway.tenants import create_key, create_org
+from cachepoint.stack import free_port
 from cachepoint.tokenizer import ByteTokenizer
 
 SYSTEM = "You are a careful assistant for a hardware store. " * 40
@@ -37,14 +38,6 @@ BODY = {
     "system": [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}],
     "messages": [{"role": "user", "content": "Do you sell 10mm hex bolts?"}],
 }
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes]) -> None:

@@ -153,7 +153,7 @@ class Scheduler:
             self._task = None
         for seq in [*self.waiting, *self.running]:
             self._finish(seq, error=OverloadedError("replica is shutting down"))
-        self._drain_events()
+        self.flush_events()
 
     # ---------------------------------------------------------------- intake
 
@@ -240,7 +240,7 @@ class Scheduler:
             self._admit()
             batch = self._schedule()
             if batch.empty:
-                self._drain_events()
+                self.flush_events()
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -257,7 +257,7 @@ class Scheduler:
             else:
                 self.steps += 1
                 self._advance(batch, out)
-            self._drain_events()
+            self.flush_events()
 
     def _reap_cancelled(self) -> None:
         for seq in [s for s in (*self.waiting, *self.running) if s.cancelled]:
@@ -364,13 +364,11 @@ class Scheduler:
             stored = seq.alloc.commit()
             admission.write_entries(self.manager, seq.plan)
             # Publish now, inside this span, so the NATS message carries its context.
-            events = self.manager.take_events()
-            if events:
-                self.sink.publish(self.epoch, events)
+            events = self.flush_events()
             span.set_attributes(
                 {
                     "cachepoint.publish.blocks_stored": stored,
-                    "cachepoint.publish.events": len(events),
+                    "cachepoint.publish.events": events,
                     "cachepoint.publish.entries_written": len(seq.plan.written),
                 }
             )
@@ -456,14 +454,13 @@ class Scheduler:
         if self.on_finish is not None:
             self.on_finish(seq)
 
-    def flush_events(self) -> None:
-        """Hand every pending kv event to the sink now (snapshots call this first)."""
-        self._drain_events()
-
-    def _drain_events(self) -> None:
+    def flush_events(self) -> int:
+        """Hand every pending kv event to the sink now; returns how many there were.
+        Snapshots call this first; so does a commit, inside its `publish` span."""
         events = self.manager.take_events()
         if events:
             self.sink.publish(self.epoch, events)
+        return len(events)
 
     # --------------------------------------------------------------- results
 
