@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
 
-from cachepoint.telemetry import Telemetry, configure
+from cachepoint.telemetry import UNTRACED_PATHS, Telemetry, configure
 from cachepoint.tokenizer import load_tokenizer
 
 from .api import errors
@@ -100,6 +100,9 @@ def create_app(
         # NOTE: the ASGI "receive"/"send" child spans only repeat the server span's
         # timing; dropping them keeps a request's waterfall readable.
         FastAPIInstrumentor.instrument_app(
-            app, tracer_provider=tel.provider, exclude_spans=["receive", "send"]
+            app,
+            tracer_provider=tel.provider,
+            exclude_spans=["receive", "send"],
+            excluded_urls=UNTRACED_PATHS,
         )
     return app

@@ -18,6 +18,7 @@ import httpx
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from opentelemetry import propagate, trace
+from opentelemetry.instrumentation.utils import suppress_http_instrumentation
 from opentelemetry.trace import Link, SpanKind
 
 from cachepoint.events import schema
@@ -188,7 +189,10 @@ class GatewayBus:
 
         async def one(url: str) -> None:
             try:
-                r = await self.http.get(f"{url}/v1/stats", timeout=1.0)
+                # NOTE: a poll is housekeeping, not a request: a trace per poll would
+                # bury the requests' traces (the replica skips /v1/stats likewise).
+                with suppress_http_instrumentation():
+                    r = await self.http.get(f"{url}/v1/stats", timeout=1.0)
                 if r.status_code == 200:
                     stats = r.json()
                     self.directory.on_stats(str(stats["replica"]), url, stats)

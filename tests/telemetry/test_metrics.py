@@ -79,3 +79,30 @@ def test_metrics_move_by_exactly_one_request(serve, seeded_db):
     assert hits >= u.cache_read_input_tokens - 16  # engine hits cover the billed read (full blocks)
     assert total(r1, "cachepoint_kv_blocks", state="retained") > 0
     assert total(g1, "cachepoint_replicas_live") == 1
+
+
+def test_metrics_count_a_streamed_request(serve, seeded_db):
+    engine = Engine(ModelConfig.tiny(), EngineConfig(kv_cache_bytes=16 * 2**20, max_model_len=2048))
+    replica = serve(create_replica_app(ReplicaSettings(name="r0"), engine))
+    db, keys = seeded_db
+    gw = serve(create_app(GatewaySettings(database_url=db, replica_urls=[replica])))
+    client = anthropic.Anthropic(base_url=gw, api_key=keys["a"], max_retries=0)
+    g0 = samples(gw)
+    with client.messages.stream(
+        model="cachepoint-tiny", max_tokens=4, messages=[{"role": "user", "content": "stream"}]
+    ) as stream:
+        msg = stream.get_final_message()
+    g1 = samples(gw)
+
+    def moved(name: str, **labels: str) -> float:
+        return total(g1, name, **labels) - total(g0, name, **labels)
+
+    assert moved("cachepoint_billed_tokens_total", bucket="output") == msg.usage.output_tokens
+    assert moved("cachepoint_gateway_requests_total", outcome="ok") == 1
+    assert moved("cachepoint_gateway_overhead_seconds_count") == 1
+    assert moved("cachepoint_gateway_upstream_seconds_count") == 1
+    # A stream splits its time into the wait on the replica and the gateway's own share.
+    overhead = moved("cachepoint_gateway_overhead_seconds_sum")
+    upstream = moved("cachepoint_gateway_upstream_seconds_sum")
+    assert overhead > 0
+    assert upstream > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import anthropic
+import httpx
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -153,6 +154,18 @@ def test_traces_context_crosses_nats(traced):
     _wait(lambda: bool(linked()), "a consumer span linked to a producer span")
     consumer = linked()[0]
     assert consumer.attributes["messaging.system"] == "nats"
+
+
+def test_traces_skip_probes_and_scrapes(traced):
+    client, exporter = traced
+    gateway = str(client.base_url).rstrip("/")
+    for path in ("/healthz", "/readyz", "/metrics"):
+        assert httpx.get(f"{gateway}{path}").status_code == 200
+    ask(client, "After the probes")
+    _wait(lambda: any(s.name == "bill" for s in exporter.get_finished_spans()), "spans")
+    servers = [s.name for s in exporter.get_finished_spans() if s.kind.name == "SERVER"]
+    assert "POST /v1/messages" in servers
+    assert not [n for n in servers if n.startswith("GET /")], servers
 
 
 def test_traces_off_exports_nothing(serve, seeded_db):

@@ -77,7 +77,7 @@ async def create_message(
     routed = _route(state, route)
     headers = {SCOPE_HEADER: prepared.plan.scope}
     if body.stream:
-        return await _stream(body, state, ctx, rid, prepared, route, routed, headers)
+        return await _stream(body, state, ctx, rid, prepared, route, routed, headers, t_start)
     t_up = time.perf_counter()
     try:
         result = await routed.replica.generate(prepared.payload)
@@ -140,6 +140,22 @@ def _sse(event: str, data: dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
+async def _timed(
+    events: AsyncIterator[dict[str, Any]], waited: list[float]
+) -> AsyncIterator[dict[str, Any]]:
+    """Relay ``events``, adding the time spent waiting on each to ``waited[0]``: a
+    stream's gateway overhead is its total time less this."""
+    while True:
+        t = time.perf_counter()
+        try:
+            ev = await anext(events)
+        except StopAsyncIteration:
+            waited[0] += time.perf_counter() - t
+            return
+        waited[0] += time.perf_counter() - t
+        yield ev
+
+
 async def _open(
     stack: AsyncExitStack, replica: ReplicaClient, payload: dict[str, Any]
 ) -> tuple[AsyncIterator[dict[str, Any]], dict[str, Any]]:
@@ -160,6 +176,7 @@ async def _stream(
     route: RouteRequest,
     routed: Routed,
     headers: dict[str, str],
+    t_start: float,
 ) -> StreamingResponse:
     # Open the upstream and wait for its prefill before answering, so that failures
     # up to that point are real HTTP errors rather than an SSE error event.
@@ -182,7 +199,9 @@ async def _stream(
     msg_id = f"msg_{rid.removeprefix('req_')}"
     server = trace.get_current_span()
 
-    state.metrics.ttft.observe(time.perf_counter() - t_open)
+    now = time.perf_counter()
+    state.metrics.ttft.observe(now - t_open)
+    waited = [now - t_open]  # seconds spent waiting on the replica, so far
 
     async def sse() -> AsyncIterator[bytes]:
         output = 0
@@ -223,7 +242,7 @@ async def _stream(
             )
             yield _sse("ping", {"type": "ping"})
             final: dict[str, Any] | None = None
-            async for ev in events:
+            async for ev in _timed(events, waited):
                 kind = ev.get("type")
                 if kind == "token":
                     output += 1
@@ -265,6 +284,10 @@ async def _stream(
                 },
             )
             yield _sse("message_stop", {"type": "message_stop"})
+            metrics = state.metrics
+            metrics.upstream_seconds.observe(waited[0])
+            metrics.overhead.observe(time.perf_counter() - t_start - waited[0])
+            metrics.requests.labels("ok").inc()
         finally:
             # A client that went away still pays for what was computed. NOTE: a
             # cancelled generator cannot await the worker thread, so this write is

@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 
 from cachepoint.engine import Engine, EngineConfig, ModelConfig
-from cachepoint.telemetry import Telemetry, configure
+from cachepoint.telemetry import UNTRACED_PATHS, Telemetry, configure
 
 from ..bus import NatsBus
 from ..metrics import ReplicaMetrics
@@ -111,6 +111,9 @@ def create_app(
         app.include_router(module.router)
     if tel.enabled:
         FastAPIInstrumentor.instrument_app(
-            app, tracer_provider=tel.provider, exclude_spans=["receive", "send"]
+            app,
+            tracer_provider=tel.provider,
+            exclude_spans=["receive", "send"],
+            excluded_urls=UNTRACED_PATHS,
         )
     return app
