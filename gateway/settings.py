@@ -7,6 +7,8 @@ from pathlib import Path
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from cachepoint.routing import DEFAULT_POLICY
+
 DEFAULT_DB = "sqlite:///.cachepoint/cachepoint.db"
 
 # Betas this gateway understands; any other value in `anthropic-beta` is a 400.
@@ -44,7 +46,7 @@ class GatewaySettings(BaseSettings):
         ),
         description="NATS for kv events and heartbeats; None = load-only routing",
     )
-    routing_policy: str = Field("cache_aware", description="cache_aware | least_loaded | ...")
+    routing_policy: str = Field(DEFAULT_POLICY, description="cache_aware | least_loaded | ...")
     heartbeat_interval_s: float = Field(1.0, gt=0, description="the replicas' heartbeat period")
     models: list[str] = Field(
         default_factory=lambda: ["cachepoint-tiny"], description="model ids served"

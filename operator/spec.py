@@ -49,10 +49,14 @@ class ModelSpec(_Spec):
         return self.pvc is not None or self.host_path is not None
 
 
+EvictionName = Literal["lru", "slru", "reuse_credit", "hit_density"]  # kvcore's registry
+
+
 class KVSpec(_Spec):
     block_size: int = Field(16, ge=1, le=1024)
     gpu_memory_utilization: float = Field(0.9, ge=0.01, le=1.0)
     retained_share: float = Field(0.5, ge=0.0, le=1.0)
+    eviction: EvictionName | None = None  # None: the replica's own default
     min_cacheable_tokens: int = Field(1024, ge=0)
     cache_bytes: int | str | None = None
 
@@ -83,7 +87,12 @@ class ReplicaSpec(_Spec):
 
     def template_fields(self) -> dict[str, Any]:
         """Everything that shapes a member pod: all of the spec except the member count."""
-        return self.model_dump(by_alias=True, mode="json", exclude={"replicas"})
+        fields = self.model_dump(by_alias=True, mode="json", exclude={"replicas"})
+        # NOTE: an unset eviction is left out, so that adding the field did not change
+        # the fingerprint (and roll every member pod) of a spec that does not use it.
+        if fields["kv"].get("eviction") is None:
+            fields["kv"].pop("eviction", None)
+        return fields
 
 
 class SpecError(ValueError):

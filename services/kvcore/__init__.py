@@ -10,6 +10,7 @@ from .clock import Clock, ManualClock, monotonic_clock
 from .entries import CacheEntry
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from .eviction import (
+    DEFAULT_EVICTION,
     EVICTION_POLICIES,
     BlockPriority,
     EvictionPolicy,
@@ -21,6 +22,7 @@ from .eviction import (
     SegmentedFreeQueue,
     SegmentedLRUEviction,
 )
+from .eviction_density import HitDensityEviction, HitDensityQueue, ReuseHistogram
 from .free_queue import FreeBlockQueue
 from .hashing import (
     ROOT_HASH,
@@ -40,6 +42,7 @@ from .prefix_index import PrefixIndex
 from .retention import TTL_1H, TTL_5M, TTL_SECONDS, RetainResult
 
 __all__ = [
+    "DEFAULT_EVICTION",
     "EVICTION_POLICIES",
     "MAX_LOOKBACK",
     "ROOT_HASH",
@@ -66,6 +69,8 @@ __all__ = [
     "ExtraKeys",
     "FreeBlockQueue",
     "FreeQueue",
+    "HitDensityEviction",
+    "HitDensityQueue",
     "KVBlock",
     "KVCacheManager",
     "KVEvent",
@@ -79,6 +84,7 @@ __all__ = [
     "RetainResult",
     "ReuseCreditEviction",
     "ReuseCreditQueue",
+    "ReuseHistogram",
     "SegmentedFreeQueue",
     "SegmentedLRUEviction",
     "encode_tokens",

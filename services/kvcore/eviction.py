@@ -17,6 +17,7 @@ from typing import Protocol
 
 from .block import KVBlock
 from .clock import Clock
+from .eviction_density import HitDensityEviction
 from .free_queue import FreeBlockQueue
 
 
@@ -311,11 +312,21 @@ class ReuseCreditQueue(PriorityFreeQueue):
         return out
 
 
-EvictionClass = type[LRUEviction] | type[SegmentedLRUEviction] | type[ReuseCreditEviction]
+EvictionClass = (
+    type[LRUEviction]
+    | type[SegmentedLRUEviction]
+    | type[ReuseCreditEviction]
+    | type[HitDensityEviction]
+)
 
 EVICTION_POLICIES: dict[str, EvictionClass] = {
     "lru": LRUEviction,
     "slru": SegmentedLRUEviction,
     "reuse_credit": ReuseCreditEviction,
+    "hit_density": HitDensityEviction,
 }
 """Strategies by the name settings and reports use."""
+
+DEFAULT_EVICTION = "reuse_credit"
+"""What a replica's pool runs unless told otherwise: the best measured by the trace
+simulator (docs/sim.md). `BlockPool` itself defaults to plain LRU."""

@@ -267,8 +267,13 @@ class BlockPool:
         queue = self.free_queue
         for block in self.cached.values():
             block.block_hash = None
-            if block.ref_cnt == 0 and block.prev_free is None:
-                queue.appendleft(block)  # was parked by retention
+            if block.ref_cnt == 0:
+                # NOTE: empty now, so it goes to the head like any empty block (a parked
+                # one rejoins the queue there). A strategy that keeps cached blocks in
+                # several lists would otherwise keep it behind fresh cached blocks.
+                if block.prev_free is not None:
+                    queue.remove(block)
+                queue.appendleft(block)
         for block in self.blocks:
             block.retained_until = 0.0
         self.cached.clear()

@@ -14,10 +14,11 @@ from .policies import (
     routable,
     usable_blocks,
 )
-from .registry import POLICIES, make_policy
+from .registry import DEFAULT_POLICY, POLICIES, make_policy
 from .view import ReplicaView
 
 __all__ = [
+    "DEFAULT_POLICY",
     "POLICIES",
     "CacheAwarePolicy",
     "Candidate",

@@ -27,6 +27,10 @@ POLICIES: dict[str, PolicyClass] = {
 }
 """Every policy by its settings name."""
 
+DEFAULT_POLICY = "cache_aware"
+"""What the gateway routes by unless told otherwise (issue 5's scoring; docs/sim.md
+compares it with the others on Mooncake's trace)."""
+
 
 def make_policy(name: str, **options: Any) -> RoutingPolicy:
     """Build a policy by name; unknown names and options raise `ValueError`."""

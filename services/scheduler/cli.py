@@ -7,9 +7,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from cachepoint.kvcore import EVICTION_POLICIES
 from cachepoint.serve import serve, settings_from_flags
 
-from .settings import ReplicaSettings, parse_bytes
+from .settings import DEFAULT_EVICTION, ReplicaSettings, parse_bytes
 
 
 def _size(text: str) -> int:
@@ -48,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--gpu-memory-utilization", type=float, help="share of free GPU memory")
     p.add_argument("--retained-share", type=float, help="max share of blocks under TTL")
+    p.add_argument(
+        "--eviction",
+        choices=list(EVICTION_POLICIES),
+        help=f"which cached free block goes first (default {DEFAULT_EVICTION}; docs/kvcore.md)",
+    )
     p.add_argument("--max-model-len", type=int, help="longest sequence in tokens")
     p.add_argument("--max-waiting", type=int, help="queued requests before 429 (default 256)")
     p.add_argument("--nats-url", help="NATS for kv events and heartbeats (default: none)")

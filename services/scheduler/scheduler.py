@@ -35,6 +35,7 @@ from cachepoint.engine import (
 )
 from cachepoint.engine.sampling import make_generator
 from cachepoint.kvcore import (
+    EVICTION_POLICIES,
     BlockPool,
     CacheStats,
     KVCacheManager,
@@ -116,6 +117,7 @@ class Scheduler:
             engine.block_size,
             retained_share=settings.retained_share,
             clock=clock,
+            eviction=EVICTION_POLICIES[settings.eviction](),
         )
         self.manager = KVCacheManager(self.pool)
         # NOTE: a fresh epoch per process start, monotonic across restarts, and a

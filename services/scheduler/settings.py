@@ -9,6 +9,7 @@ from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cachepoint.events.subjects import check_replica_name
+from cachepoint.kvcore import DEFAULT_EVICTION, EVICTION_POLICIES
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20}
 _UNITS |= {"mib": 2**20, "g": 2**30, "gb": 2**30, "gib": 2**30}
@@ -49,6 +50,10 @@ class ReplicaSettings(BaseSettings):
     kv_cache_bytes: int = Field(256 * 2**20, gt=0, description="KV budget per rank on the CPU")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="share of free GPU memory")
     retained_share: float = Field(0.5, ge=0, le=1, description="max share of blocks under TTL")
+    eviction: str = Field(
+        DEFAULT_EVICTION,
+        description=f"which cached free block goes first: {' | '.join(EVICTION_POLICIES)}",
+    )
     max_model_len: int | None = Field(None, ge=16, description="longest sequence; None = model's")
     max_num_seqs: int = Field(32, ge=1, description="sequences running at once")
     max_num_batched_tokens: int = Field(2048, ge=16, description="tokens in one forward")
@@ -69,6 +74,15 @@ class ReplicaSettings(BaseSettings):
     @classmethod
     def _name(cls, v: str) -> str:
         return check_replica_name(v)
+
+    @field_validator("eviction")
+    @classmethod
+    def _eviction(cls, v: str) -> str:
+        if v not in EVICTION_POLICIES:
+            raise ValueError(
+                f"unknown eviction strategy {v!r}; choose from {', '.join(EVICTION_POLICIES)}"
+            )
+        return v
 
     @field_validator("kv_cache_bytes", mode="before")
     @classmethod

@@ -23,7 +23,7 @@ from .trace import Breakpoint, TraceRequest
 
 
 def make_eviction(name: str, **options: Any) -> EvictionPolicy:
-    """A kvcore eviction strategy by name ("lru", "slru")."""
+    """A kvcore eviction strategy by its EVICTION_POLICIES name ("lru", "hit_density", ...)."""
     cls = EVICTION_POLICIES.get(name)
     if cls is None:
         raise ValueError(f"unknown eviction {name!r}; choose from {', '.join(EVICTION_POLICIES)}")

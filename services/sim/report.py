@@ -19,15 +19,16 @@ from typing import Any
 
 from .billing import PriceTable
 from .bound import reuse_profile
+from .cli import SHIPPED_EVICTION, SHIPPED_POLICY
 from .cost import ReplicaCostModel
 from .progress import ProgressBar
 from .simulator import PreparedTrace, SimConfig, Simulator
 from .trace import load_trace
 
-SHIPPED = "prefix_affinity + reuse_credit"  # the label of what the product ships
 BASELINE = "cache_aware + lru"  # the baseline: longest match, load penalty, LRU
+SHIPPED = f"{SHIPPED_POLICY} + {SHIPPED_EVICTION}"  # the label of what the product ships
 TARGETS = {0.01: 0.95, 0.005: 0.80}  # capacity per replica -> ratio-to-bound goal
-POOLED = (BASELINE, SHIPPED, "prefix_affinity + oracle")  # lines of the one-pool reference
+ORACLE = "prefix_affinity + oracle"  # the clairvoyant reference
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,15 +41,22 @@ class Line:
     reference: bool = False  # clairvoyant: drawn dashed, never a product setting
 
 
-LINES = (
+_LINES = (
     Line("round_robin + lru", "round_robin", "lru"),
     Line("least_loaded + lru", "least_loaded", "lru"),
     Line(BASELINE, "cache_aware", "lru"),
-    Line("prefix_affinity + lru", "prefix_affinity", "lru"),
     Line("cache_aware + reuse_credit", "cache_aware", "reuse_credit"),
-    Line(SHIPPED, "prefix_affinity", "reuse_credit"),
-    Line("prefix_affinity + oracle", "prefix_affinity", "oracle", reference=True),
+    Line("prefix_affinity + lru", "prefix_affinity", "lru"),
+    Line("prefix_affinity + reuse_credit", "prefix_affinity", "reuse_credit"),
+    Line("prefix_affinity + hit_density", "prefix_affinity", "hit_density"),
 )
+LINES = (
+    *_LINES,
+    *([] if SHIPPED in {x.label for x in _LINES} else [Line(SHIPPED, *SHIPPED.split(" + "))]),
+    Line(ORACLE, "prefix_affinity", "oracle", reference=True),  # last: LINES[:-1] skips it
+)
+# Lines of the one-pool reference, where routing cannot lose a hit.
+POOLED = tuple(dict.fromkeys((BASELINE, SHIPPED, "prefix_affinity + hit_density", ORACLE)))
 
 
 @dataclass(frozen=True, slots=True)

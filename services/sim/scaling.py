@@ -103,7 +103,8 @@ def replay_traffic(
     capacity_frac: float = 0.01,
     block_size: int | None = None,
 ) -> ReplayTraffic:
-    """Replay a trace with the shipped policy and encode every batch the pools publish."""
+    """Replay a trace (prefix_affinity routing, reuse_credit eviction) and encode every
+    batch the pools publish."""
     trace = load_trace(trace_path)
     prepared = PreparedTrace.build(trace, block_size)
     config = SimConfig(

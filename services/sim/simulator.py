@@ -55,7 +55,7 @@ class SimConfig:
     block_size: int | None = None  # kvcore tokens per block; None: the trace's block size
     policy: str = "cache_aware"  # routing policy name (cachepoint.routing.make_policy)
     policy_options: dict[str, Any] = field(default_factory=dict)  # its keyword arguments
-    eviction: str = "lru"  # pool eviction ("lru", "slru", "reuse_credit"; "oracle" for reference)
+    eviction: str = "lru"  # pool eviction: a kvcore EVICTION_POLICIES name, or "oracle" (reference)
     eviction_options: dict[str, Any] = field(default_factory=dict)  # its keyword arguments
     retention: str = "none"  # "none", "trace" (its breakpoints), "5m"/"1h" (whole prompt)
     retained_share: float = 0.5  # cap on TTL-retained blocks per pool

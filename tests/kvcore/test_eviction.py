@@ -154,6 +154,7 @@ def test_strategies_reject_bad_settings_and_are_named():
         "lru": "lru",
         "slru": "slru",
         "reuse_credit": "reuse_credit",
+        "hit_density": "hit_density",
     }
 
 

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from cachepoint.kvcore import (
+    EVICTION_POLICIES,
     Allocation,
     AllocationState,
     BlockHash,
@@ -37,10 +38,18 @@ class PoolMachine(RuleBasedStateMachine):
     @initialize(
         num_blocks=st.integers(3, 14),
         share=st.sampled_from([0.0, 0.25, 0.5, 1.0]),
+        eviction=st.sampled_from(sorted(EVICTION_POLICIES)),
     )
-    def setup(self, num_blocks: int, share: float) -> None:
+    def setup(self, num_blocks: int, share: float, eviction: str) -> None:
         self.clock = ManualClock(0.0)
-        self.pool = BlockPool(num_blocks, BLOCK, retained_share=share, clock=self.clock)
+        # Every strategy must keep every invariant; only the eviction order differs.
+        self.pool = BlockPool(
+            num_blocks,
+            BLOCK,
+            retained_share=share,
+            clock=self.clock,
+            eviction=EVICTION_POLICIES[eviction](),
+        )
         self.mgr = KVCacheManager(self.pool)
         self.open: list[tuple[Allocation, list[int]]] = []
         # Shadow state, independent of the pool's own bookkeeping:

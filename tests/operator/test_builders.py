@@ -96,6 +96,9 @@ def test_env_carries_the_replica_settings_nats_and_otlp() -> None:
     assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     # Unset optional settings are left to the replica's own defaults.
     assert "CACHEPOINT_REPLICA_MAX_MODEL_LEN" not in env
+    assert "CACHEPOINT_REPLICA_EVICTION" not in env  # unset: the replica's default
+    chosen = env_of(pod(make_spec(kv={"eviction": "lru"})))
+    assert chosen["CACHEPOINT_REPLICA_EVICTION"] == "lru"
     assert "CACHEPOINT_REPLICA_MODEL_DIR" not in env  # no weights source: the random model
     assert "CACHEPOINT_NATS_URL" not in env_of(pod(make_spec(), config=OperatorConfig()))
 

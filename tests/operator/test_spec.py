@@ -83,6 +83,22 @@ def test_enums_equal_the_schemas() -> None:
         parse_spec(with_value(("model", "dtype"), "int4"))
 
 
+def test_eviction_names_equal_the_schemas_and_kvcores() -> None:
+    from cachepoint.kvcore import EVICTION_POLICIES
+
+    enum = spec_schema()["properties"]["kv"]["properties"]["eviction"]["enum"]
+    assert set(enum) == set(EVICTION_POLICIES)
+    for value in enum:
+        assert parse_spec(with_value(("kv", "eviction"), value)).kv.eviction == value
+    assert parse_spec(MINIMAL).kv.eviction is None  # unset: the replica's own default
+    with pytest.raises(SpecError, match="eviction"):
+        parse_spec(with_value(("kv", "eviction"), "mru"))
+    # Unset, it is not part of the pod fingerprint (adding the field rolls nothing); set, it is.
+    assert "eviction" not in parse_spec(MINIMAL).template_fields()["kv"]
+    chosen = parse_spec(with_value(("kv", "eviction"), "lru")).template_fields()
+    assert chosen["kv"]["eviction"] == "lru"
+
+
 def test_required_fields_are_reported_with_their_path() -> None:
     with pytest.raises(SpecError) as caught:
         parse_spec({"model": {}})

@@ -30,8 +30,17 @@ def test_json_output_has_the_issue_keys(trace_file: Path, capsys: pytest.Capture
     assert out["replicas"] == 3
     assert 0.0 < out["bound"] < 1.0
     assert out["ratio_to_bound"] == pytest.approx(out["hit_ratio"] / out["bound"])
-    assert out["policy"] == "prefix_affinity"
-    assert out["eviction"] == "reuse_credit"
+    assert out["policy"] == "cache_aware"  # what the product ships: the gateway's default
+    assert out["eviction"] == "reuse_credit"  # and the replica's
+
+
+def test_the_shipped_defaults_are_the_products_own():
+    from cachepoint.gateway.settings import GatewaySettings
+    from cachepoint.scheduler.settings import ReplicaSettings
+    from cachepoint.sim.cli import SHIPPED_EVICTION, SHIPPED_POLICY
+
+    assert GatewaySettings.model_fields["routing_policy"].default == SHIPPED_POLICY
+    assert ReplicaSettings.model_fields["eviction"].default == SHIPPED_EVICTION
 
 
 def test_progress_goes_to_stderr_and_json_stays_clean(trace_file: Path, capsys):
