@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -31,4 +32,10 @@ def serve(app_factory: Callable[[], Any], host: str, port: int, log_level: str) 
     import uvicorn
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    uvicorn.run(app_factory(), host=host, port=port, log_level=log_level)
+    app = app_factory()
+    # NOTE: what is alive now (the model, the schemas, the routes) lives as long as the
+    # process. Frozen, the collector stops re-scanning it: on the replica a full
+    # collection otherwise stalls a request for about 0.2 s every few dozen requests.
+    gc.collect()
+    gc.freeze()
+    uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -41,6 +41,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def replica_threads(cores: int, replicas: int) -> int:
+    """Torch threads per replica: the cores less one, shared out.
+
+    NOTE: replicas on one machine share its cores, and torch's default of one thread
+    per core each oversubscribes them. The core held back is the gateway's and NATS's:
+    they relay every token while the next decode step runs, and an OpenMP team that
+    loses a core to them stalls at each barrier. On 2 cores the tiny model decodes as
+    fast on one thread as on two (bench/RESULTS.md, tracing overhead)."""
+    return max(1, (cores - 1) // replicas)
+
+
 def port_in_use(port: int) -> bool:
     with socket.socket() as s:
         # Like uvicorn: a port whose last connections are in TIME_WAIT is free to bind.
@@ -203,9 +214,9 @@ class Stack:
             "CACHEPOINT_TELEMETRY_ENABLED": "true" if self.tracing else "false",
         }
         if name.startswith("replica-"):
-            # NOTE: replicas on one machine share its cores; torch's default of one
-            # thread per core each oversubscribes them and every forward slows down.
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.replicas)))
+            env.setdefault(
+                "OMP_NUM_THREADS", str(replica_threads(os.cpu_count() or 1, self.replicas))
+            )
         proc = subprocess.Popen(
             args, stdout=fh, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
         )
