@@ -13,7 +13,6 @@ from cachepoint.kvcore import (
     KVCacheManager,
     LRUEviction,
     ManualClock,
-    PoolExhaustedError,
     PriorityFreeQueue,
     ReuseCreditEviction,
     ReuseCreditQueue,
@@ -21,20 +20,7 @@ from cachepoint.kvcore import (
     hash_blocks,
 )
 
-BLOCK = 2
-
-
-def _prompt(tag: int, blocks: int) -> list[int]:
-    return [tag * 1000 + i for i in range(blocks * BLOCK)]
-
-
-def _serve(mgr: KVCacheManager, tokens: list[int]) -> int:
-    """Allocate, commit and free one prompt; returns the tokens it hit."""
-    hs = hash_blocks(tokens, BLOCK)
-    alloc = mgr.allocate(hs, len(tokens) + 1)  # one more token: every full block may hit
-    alloc.commit()
-    alloc.free()
-    return alloc.num_cached_tokens
+from .helpers import BLOCK, apply_pool_op, prompt, serve
 
 
 def _cached(pool: BlockPool, tokens: list[int]) -> bool:
@@ -44,10 +30,10 @@ def _cached(pool: BlockPool, tokens: list[int]) -> bool:
 def test_hits_are_counted_and_reset_when_a_block_is_reused():
     pool = BlockPool(4, BLOCK)
     mgr = KVCacheManager(pool)
-    _serve(mgr, _prompt(1, 2))
-    _serve(mgr, _prompt(1, 2))
-    assert [pool.get_cached(h).hits for h in hash_blocks(_prompt(1, 2), BLOCK)] == [1, 1]  # type: ignore[union-attr]
-    _serve(mgr, _prompt(2, 3))  # needs all four blocks: evicts everything
+    serve(mgr, prompt(1, 2))
+    serve(mgr, prompt(1, 2))
+    assert [pool.get_cached(h).hits for h in hash_blocks(prompt(1, 2), BLOCK)] == [1, 1]  # type: ignore[union-attr]
+    serve(mgr, prompt(2, 3))  # needs all four blocks: evicts everything
     assert all(b.hits == 0 for b in pool.blocks)
 
 
@@ -60,15 +46,15 @@ def test_a_hit_block_outlives_a_fresher_block_never_hit(eviction):
     mgr = KVCacheManager(pool)
     for tag in (10, 11, 12):  # churn first, so the pool has an eviction age to give credit from
         clock.advance(1)
-        _serve(mgr, _prompt(tag, 2))
-    _serve(mgr, _prompt(1, 2))  # A
+        serve(mgr, prompt(tag, 2))
+    serve(mgr, prompt(1, 2))  # A
     clock.advance(1)
-    assert _serve(mgr, _prompt(1, 2)) == 2 * BLOCK  # A hit once
+    assert serve(mgr, prompt(1, 2)) == 2 * BLOCK  # A hit once
     for tag in (2, 3, 4, 5):  # a stream of one-shot prompts
         clock.advance(1)
-        _serve(mgr, _prompt(tag, 2))
-    assert _cached(pool, _prompt(1, 2))
-    assert not _cached(pool, _prompt(2, 2))
+        serve(mgr, prompt(tag, 2))
+    assert _cached(pool, prompt(1, 2))
+    assert not _cached(pool, prompt(2, 2))
     pool.check_invariants()
 
 
@@ -76,19 +62,19 @@ def test_lru_evicts_the_hit_block_in_the_same_story():
     clock = ManualClock(0.0)
     pool = BlockPool(6, BLOCK, clock=clock, eviction=LRUEviction())
     mgr = KVCacheManager(pool)
-    _serve(mgr, _prompt(1, 2))
-    _serve(mgr, _prompt(1, 2))
+    serve(mgr, prompt(1, 2))
+    serve(mgr, prompt(1, 2))
     for tag in (2, 3, 4, 5):
-        _serve(mgr, _prompt(tag, 2))
-    assert not _cached(pool, _prompt(1, 2))
+        serve(mgr, prompt(tag, 2))
+    assert not _cached(pool, prompt(1, 2))
 
 
 def test_segmented_protected_segment_is_capped_and_demotes_to_probation():
     pool = BlockPool(8, BLOCK, eviction=SegmentedLRUEviction(protected_share=0.25))
     mgr = KVCacheManager(pool)
     for tag in (1, 2):
-        _serve(mgr, _prompt(tag, 2))
-        _serve(mgr, _prompt(tag, 2))
+        serve(mgr, prompt(tag, 2))
+        serve(mgr, prompt(tag, 2))
     queue = pool.free_queue
     assert queue.protected.num_free == 2  # type: ignore[attr-defined]
     assert len(queue) == 8
@@ -101,13 +87,13 @@ def test_reuse_credit_measures_the_eviction_age():
     mgr = KVCacheManager(pool)
     queue = pool.free_queue
     assert isinstance(queue, ReuseCreditQueue)
-    _serve(mgr, _prompt(1, 4))
+    serve(mgr, prompt(1, 4))
     assert queue.eviction_age == 0.0  # nothing evicted yet
     clock.advance(30)
-    _serve(mgr, _prompt(2, 4))  # evicts prompt 1's four blocks, freed 30 s ago
+    serve(mgr, prompt(2, 4))  # evicts prompt 1's four blocks, freed 30 s ago
     assert queue.eviction_age == pytest.approx(30.0)
     clock.advance(10)
-    _serve(mgr, _prompt(3, 4))
+    serve(mgr, prompt(3, 4))
     assert 10.0 < queue.eviction_age < 30.0
 
 
@@ -119,7 +105,7 @@ def test_zero_credit_is_lru_order():
         mgr = KVCacheManager(pool)
         for tag in (1, 1, 2, 3, 1, 4):
             clock.advance(1)
-            _serve(mgr, _prompt(tag, 2))
+            serve(mgr, prompt(tag, 2))
     assert set(lru.cached) == set(credit.cached)
 
 
@@ -175,31 +161,9 @@ def test_every_strategy_keeps_the_pool_invariants(name: str, ops, num_blocks: in
         num_blocks, BLOCK, retained_share=0.5, clock=clock, eviction=EVICTION_POLICIES[name]()
     )
     mgr = KVCacheManager(pool)
-    held = []
+    held: list = []
     for op, arg in ops:
-        tokens = _prompt(arg % 3, 1 + arg % 4)
-        hs = hash_blocks(tokens, BLOCK)
-        if op in ("serve", "hold"):
-            try:
-                alloc = mgr.allocate(hs, len(tokens))
-            except PoolExhaustedError:
-                continue
-            alloc.commit()
-            if op == "serve":
-                alloc.free()
-            else:
-                held.append(alloc)
-        elif op == "release" and held:
-            held.pop(arg % len(held)).free()
-        elif op == "retain":
-            blocks = pool.match_prefix(hs, len(hs))
-            if blocks:
-                pool.retain(blocks, 5.0)
-        elif op == "tick":
-            clock.advance(arg)
-            pool.expire()
-        elif op == "clear":
-            mgr.clear()
+        apply_pool_op(op, arg, pool, mgr, clock, held)
         pool.check_invariants()
         for h, block in pool.cached.items():
             assert block.block_hash == h

@@ -19,9 +19,7 @@ from cachepoint.kvcore import (
     KVCacheManager,
     LRUEviction,
     ManualClock,
-    PoolExhaustedError,
     ReuseCreditEviction,
-    hash_blocks,
 )
 from cachepoint.kvcore.eviction_density import (
     NUM_BUCKETS,
@@ -30,7 +28,7 @@ from cachepoint.kvcore.eviction_density import (
     decreasing_rates,
 )
 
-BLOCK = 2
+from .helpers import BLOCK, apply_pool_op, prompt, serve
 
 # (op, block index, hits or seconds): random traffic for a queue of up to 12 blocks.
 QUEUE_OPS = st.lists(
@@ -123,18 +121,6 @@ def test_before_it_learns_it_evicts_in_lru_order(ops):
     assert not density.learned
 
 
-def _prompt(tag: int, blocks: int) -> list[int]:
-    return [tag * 1000 + i for i in range(blocks * BLOCK)]
-
-
-def _serve(mgr: KVCacheManager, tokens: list[int]) -> int:
-    hs = hash_blocks(tokens, BLOCK)
-    alloc = mgr.allocate(hs, len(tokens) + 1)  # one more token: every full block may hit
-    alloc.commit()
-    alloc.free()
-    return alloc.num_cached_tokens
-
-
 def _regulars_story(eviction, seconds: int = 900, regulars: int = 6) -> tuple[int, int, BlockPool]:
     """A one-shot prompt every second (never seen again) and a few regular prompts that
     come back after 10-40 s, longer than the pool's LRU eviction age (about 19 s).
@@ -146,11 +132,11 @@ def _regulars_story(eviction, seconds: int = 900, regulars: int = 6) -> tuple[in
     hits = visits = 0
     for t in range(seconds):
         clock.now = float(t)
-        _serve(mgr, _prompt(10_000 + t, 2))
+        serve(mgr, prompt(10_000 + t, 2))
         for r in range(regulars):
             if due[r] > t:
                 continue
-            full = _serve(mgr, _prompt(r, 2)) == 2 * BLOCK
+            full = serve(mgr, prompt(r, 2)) == 2 * BLOCK
             if t >= seconds // 2:
                 visits += 1
                 hits += full
@@ -186,10 +172,10 @@ def test_after_a_clear_the_emptied_blocks_go_first_and_teach_nothing():
     assert len(queue.head) == pool.num_blocks
     assert sum(h.weight for h in queue._stats) == weight  # moving them is no reuse
     for tag in range(15):
-        _serve(mgr, _prompt(20_000 + tag, 2))  # 30 full blocks: fits in the emptied ones
+        serve(mgr, prompt(20_000 + tag, 2))  # 30 full blocks: fits in the emptied ones
     pool.check_invariants()
     assert sum(h.weight for h in queue._stats) == weight  # nothing was evicted
-    assert all(_serve(mgr, _prompt(20_000 + tag, 2)) == 2 * BLOCK for tag in range(15))
+    assert all(serve(mgr, prompt(20_000 + tag, 2)) == 2 * BLOCK for tag in range(15))
 
 
 def test_age_buckets_are_log_spaced_and_clamped():
@@ -259,28 +245,7 @@ def test_the_pool_keeps_its_invariants_while_the_queue_learns(ops, num_blocks: i
     assert isinstance(queue, HitDensityQueue)
     queue._refresh_every = 1
     mgr = KVCacheManager(pool)
-    held = []
+    held: list = []
     for op, arg in ops:
-        tokens = _prompt(arg % 3, 1 + arg % 4)
-        hs = hash_blocks(tokens, BLOCK)
-        if op in ("serve", "hold"):
-            try:
-                alloc = mgr.allocate(hs, len(tokens))
-            except PoolExhaustedError:
-                continue
-            alloc.commit()
-            if op == "serve":
-                alloc.free()
-            else:
-                held.append(alloc)
-        elif op == "release" and held:
-            held.pop(arg % len(held)).free()
-        elif op == "retain":
-            blocks = pool.match_prefix(hs, len(hs))
-            if blocks:
-                pool.retain(blocks, 5.0)
-        elif op == "tick":
-            clock.advance(arg * 3)
-        elif op == "clear":
-            mgr.clear()
+        apply_pool_op(op, arg, pool, mgr, clock, held, tick_s=3.0, expire_on_tick=False)
         pool.check_invariants()
