@@ -7,10 +7,9 @@ from contextlib import asynccontextmanager
 
 import httpx
 from fastapi import FastAPI
-from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
 
-from cachepoint.telemetry import UNTRACED_PATHS, Telemetry, configure
+from cachepoint.telemetry import Telemetry, configure, instrument_server
 from cachepoint.tokenizer import load_tokenizer
 
 from .api import errors
@@ -96,13 +95,5 @@ def create_app(
     for module in (messages, models, reports, health):
         app.include_router(module.router)
     app.add_middleware(RequestIdMiddleware, max_body_bytes=settings.max_body_bytes)
-    if tel.enabled:
-        # NOTE: the ASGI "receive"/"send" child spans only repeat the server span's
-        # timing; dropping them keeps a request's waterfall readable.
-        FastAPIInstrumentor.instrument_app(
-            app,
-            tracer_provider=tel.provider,
-            exclude_spans=["receive", "send"],
-            excluded_urls=UNTRACED_PATHS,
-        )
+    instrument_server(app, tel)
     return app

@@ -25,12 +25,6 @@ VERSION = "0.1.0"
 Exporter = Literal["auto", "otlp-grpc", "otlp-http", "file", "none"]
 
 
-UNTRACED_PATHS = "/healthz,/readyz,/metrics,/v1/stats"
-"""Probes, scrapes and the gateway's load polls, which the server instrumentations skip:
-a trace per kubelet probe or Prometheus scrape would bury the requests in `cachepoint
-traces` and in the collector."""
-
-
 class TelemetrySettings(BaseSettings):
     """CACHEPOINT_TELEMETRY_* (plus the standard OTEL_EXPORTER_OTLP_ENDPOINT)."""
 

@@ -8,10 +8,9 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI
-from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 
 from cachepoint.engine import Engine, EngineConfig, ModelConfig
-from cachepoint.telemetry import UNTRACED_PATHS, Telemetry, configure
+from cachepoint.telemetry import Telemetry, configure, instrument_server
 
 from ..bus import NatsBus
 from ..metrics import ReplicaMetrics
@@ -109,11 +108,5 @@ def create_app(
     install_error_handlers(app)
     for module in (generate, stats, health):
         app.include_router(module.router)
-    if tel.enabled:
-        FastAPIInstrumentor.instrument_app(
-            app,
-            tracer_provider=tel.provider,
-            exclude_spans=["receive", "send"],
-            excluded_urls=UNTRACED_PATHS,
-        )
+    instrument_server(app, tel)
     return app
