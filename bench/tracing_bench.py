@@ -61,6 +61,7 @@ HISTOGRAMS = (
 def histogram_sums(stack: Stack) -> dict[str, tuple[float, float]]:
     """(sum, count) of each histogram in HISTOGRAMS, scraped from /metrics."""
     urls = {c.name: c.url for c in stack.children}
+    urls["gateway"] = stack.metrics_url  # the gateway's /metrics has its own listener
     out: dict[str, tuple[float, float]] = {}
     for proc, metric in HISTOGRAMS:
         text = httpx.get(f"{urls[proc]}/metrics", timeout=10).text

@@ -14,12 +14,12 @@ from cachepoint.tokenizer import load_tokenizer
 
 from .api import errors
 from .api.middleware import RequestIdMiddleware
-from .api.routes import health, messages, models, reports
-from .bus import GatewayBus
+from .api.routes import admin, health, messages, models, reports
+from .bus import event_plane
 from .contract.render import Renderer
 from .db.migrate import upgrade
 from .db.session import make_engine, make_sessionmaker
-from .directory import ReplicaDirectory
+from .metrics import listen
 from .routing import DirectoryRouter
 from .settings import GatewaySettings
 from .state import GatewayState
@@ -43,11 +43,15 @@ def create_app(
         upgrade(engine)
         timeout = httpx.Timeout(settings.upstream_timeout_s, connect=5.0)
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+        # NOTE: this client talks only to replicas (generate, stream, stats polls), so the
+        # internal token rides on every call from one place rather than at each call site.
+        token = settings.internal_token
+        headers = {"authorization": f"Bearer {token.get_secret_value()}"} if token else None
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as http:
             if tel.enabled:
                 HTTPXClientInstrumentor().instrument_client(http, tracer_provider=tel.provider)
-            directory = ReplicaDirectory(heartbeat_interval_s=settings.heartbeat_interval_s)
-            bus = GatewayBus(directory, settings.nats_url, http, seed_urls=settings.replica_urls)
+            bus = event_plane(settings, http)
+            directory = bus.directory
             chosen = router or DirectoryRouter(
                 directory,
                 http,
@@ -67,19 +71,28 @@ def create_app(
             }
             app.state.directory = directory
             app.state.bus = bus
-            app.state.gateway.metrics.watch_plane(
+            metrics = app.state.gateway.metrics
+            metrics.watch_plane(
                 lambda: {
                     "lag_s": bus.lag_s,
                     "resyncs": directory.resyncs,
                     "heartbeat_misses": directory.heartbeat_misses,
+                    "health_downs": directory.health_downs,
+                    "rejections": dict(directory.rejections),
                     "live": sum(v.live for v in directory.views()),
                 }
             )
             bus.tracer = tel.tracer
             await bus.start()
+            scrape = None
             try:
+                if settings.metrics_port is not None:
+                    scrape = listen(metrics.registry, settings.host, settings.metrics_port)
+                    app.state.metrics_url = scrape.url
                 yield
             finally:
+                if scrape is not None:
+                    scrape.close()
                 await bus.stop()
                 engine.dispose()
                 if telemetry is None:
@@ -92,8 +105,13 @@ def create_app(
         lifespan=lifespan,
     )
     errors.install(app)
-    for module in (messages, models, reports, health):
+    for module in (messages, models, reports, admin, health):
         app.include_router(module.router)
-    app.add_middleware(RequestIdMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        RequestIdMiddleware,
+        max_body_bytes=settings.max_body_bytes,
+        body_read_timeout_s=settings.body_read_timeout_s,
+    )
+    app.state.metrics_url = None  # the private /metrics listener's URL, while it runs
     instrument_server(app, tel)
     return app

@@ -4,6 +4,10 @@ While NATS is connected, heartbeats and kv batches feed the directory. While it 
 not (or heartbeats go stale), the replicas' /v1/stats are polled instead, so routing
 keeps load-only information and requests keep flowing. On reconnect every replica
 is resynced from a snapshot.
+
+Each replica's /readyz is polled too: one that fails it (or does not answer) leaves
+routing until it passes again, even while its heartbeats keep coming.
+A message whose subject names another replica than its payload is refused.
 """
 
 from __future__ import annotations
@@ -23,11 +27,32 @@ from opentelemetry.trace import Link, SpanKind
 
 from cachepoint.events import schema
 from cachepoint.events.connect import connect_forever
-from cachepoint.events.subjects import HEARTBEAT, KV_ALL, snapshot_subject
+from cachepoint.events.subjects import HEARTBEAT_ALL, KV_ALL, snapshot_subject, subject_replica
 
 from .directory import ReplicaDirectory
+from .settings import GatewaySettings
+from .trust import UrlPolicy
 
 log = logging.getLogger(__name__)
+
+
+def event_plane(settings: GatewaySettings, http: httpx.AsyncClient) -> GatewayBus:
+    """The directory and the bus that feeds it, as the settings describe them."""
+    directory = ReplicaDirectory(
+        heartbeat_interval_s=settings.heartbeat_interval_s,
+        urls=UrlPolicy(settings.url_check, dict(settings.replicas)),
+        max_epoch_skew_s=settings.max_epoch_skew_s,
+    )
+    password = settings.nats_password
+    return GatewayBus(
+        directory,
+        settings.nats_url,
+        http,
+        seed_urls=[*settings.replica_urls, *settings.replicas.values()],
+        nats_user=settings.nats_user,
+        nats_password=password.get_secret_value() if password else None,
+        health_interval_s=settings.health_interval_s,
+    )
 
 
 class GatewayBus:
@@ -39,12 +64,18 @@ class GatewayBus:
         *,
         seed_urls: Sequence[str] = (),
         snapshot_timeout_s: float = 2.0,
+        nats_user: str | None = None,
+        nats_password: str | None = None,
+        health_interval_s: float = 0.0,
     ) -> None:
         self.directory = directory
         self.nats_url = nats_url
         self.http = http
         self.seed_urls = list(seed_urls)  # replicas to poll before/without heartbeats
         self.snapshot_timeout_s = snapshot_timeout_s
+        self.nats_user = nats_user  # None: connect without credentials
+        self.nats_password = nats_password
+        self.health_interval_s = health_interval_s  # /readyz poll period; 0 = no polls
         self.nc: Client | None = None
         self.connected = False  # NATS up right now
         self.stale_batches = 0  # undecodable or unknown-version messages dropped
@@ -57,6 +88,8 @@ class GatewayBus:
         await self._poll_stats()  # know the static replicas before the first request
         self.directory.sweep()
         self._tasks.append(asyncio.create_task(self._maintain(), name="directory-sweep"))
+        if self.health_interval_s > 0:
+            self._tasks.append(asyncio.create_task(self._health(), name="replica-health"))
         if self.nats_url:
             self._tasks.append(asyncio.create_task(self._connect(), name="nats-connect"))
 
@@ -77,12 +110,14 @@ class GatewayBus:
         nc = await connect_forever(
             self.nats_url,
             "cachepoint-gateway",
+            user=self.nats_user,
+            password=self.nats_password,
             disconnected_cb=self._on_disconnect,
             reconnected_cb=self._on_reconnect,
             error_cb=self._on_error,
         )
         await nc.subscribe(KV_ALL, cb=self._on_kv)
-        await nc.subscribe(HEARTBEAT, cb=self._on_heartbeat)
+        await nc.subscribe(HEARTBEAT_ALL, cb=self._on_heartbeat)
         self.nc = nc
         self.connected = True
         self._resync_all()
@@ -96,7 +131,21 @@ class GatewayBus:
         self._resync_all()
 
     async def _on_error(self, exc: Exception) -> None:
-        log.debug("NATS error: %s", exc)
+        # NOTE: reconnect attempts land here too (debug); a permissions violation means
+        # the gateway's credentials or the server's config are wrong.
+        if "permissions violation" in str(exc).lower():
+            log.warning("NATS refused: %s", exc)
+        else:
+            log.debug("NATS error: %s", exc)
+
+    def _subject_mismatch(self, subject: str, name: str) -> bool:
+        # NOTE: NATS permissions bind a replica's credentials to its own subjects, so
+        # the subject is the authenticated name; a payload naming another is forged.
+        owner = subject_replica(subject)
+        if owner == name:
+            return False
+        self.directory.reject("subject_mismatch", owner, f"{subject} carried {name!r}")
+        return True
 
     async def _on_kv(self, msg: Msg) -> None:
         try:
@@ -104,6 +153,8 @@ class GatewayBus:
         except schema.SchemaError as exc:
             self.stale_batches += 1
             log.warning("dropping kv message on %s: %s", msg.subject, exc)
+            return
+        if self._subject_mismatch(msg.subject, batch.replica):
             return
         # NOTE: a CONSUMER span in its own trace, linked to the replica's PRODUCER span:
         # one batch serves many requests, so it is not any one request's child.
@@ -134,6 +185,8 @@ class GatewayBus:
         except schema.SchemaError as exc:
             log.warning("dropping heartbeat: %s", exc)
             return
+        if self._subject_mismatch(msg.subject, hb.name):
+            return
         if self.directory.on_heartbeat(hb):
             self.directory.begin_resync(hb.name)
             self._spawn_resync(hb.name)
@@ -163,6 +216,10 @@ class GatewayBus:
                     snap = schema.decode(reply.data, schema.Snapshot)
                 except Exception as exc:
                     log.warning("snapshot of %s failed: %s", name, exc)
+                    self.directory.resync_failed(name)
+                    return
+                if snap.replica != name:
+                    self.directory.reject("subject_mismatch", name, f"snapshot of {snap.replica}")
                     self.directory.resync_failed(name)
                     return
                 if not self.directory.on_snapshot(snap):
@@ -196,7 +253,47 @@ class GatewayBus:
                 if r.status_code == 200:
                     stats = r.json()
                     self.directory.on_stats(str(stats["replica"]), url, stats)
+                    return
             except (httpx.HTTPError, KeyError, ValueError):
-                pass  # an unreachable replica simply stays out of routing
+                pass
+            # NOTE: a known replica that fails its poll leaves routing now rather than
+            # after the miss window; its next heartbeat or good poll brings it back.
+            for st in list(self.directory.replicas.values()):
+                if st.url == url:
+                    self.directory.mark_down(st.name)
 
         await asyncio.gather(*(one(u) for u in urls))
+
+    # -------------------------------------------------------------- health
+
+    async def _health(self) -> None:
+        """Poll every known replica's /readyz; a failure takes it out of routing."""
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            try:
+                await self.check_health()
+            except Exception as exc:  # the loop must outlive any one bad round
+                log.warning("health check round failed: %s", exc)
+
+    async def check_health(self) -> None:
+        targets = [(st.name, st.url) for st in self.directory.replicas.values() if st.url]
+        # NOTE: a busy replica may answer slowly; only one that cannot answer within
+        # a whole interval (at least 1 s) counts as failing.
+        timeout = max(1.0, self.health_interval_s)
+
+        async def one(name: str, url: str) -> None:
+            try:
+                with suppress_http_instrumentation():
+                    r = await self.http.get(f"{url}/readyz", timeout=timeout)
+            except httpx.HTTPError as exc:
+                why = f"{type(exc).__name__} on /readyz"
+            else:
+                if r.status_code == 200:
+                    self.directory.mark_healthy(name)
+                    return
+                why = f"/readyz answered {r.status_code}"
+            # NOTE: the URL may have changed (a new epoch) while the check was out.
+            if self.directory.url_of(name) == url:
+                self.directory.mark_unhealthy(name, why)
+
+        await asyncio.gather(*(one(n, u) for n, u in targets))

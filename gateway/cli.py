@@ -28,23 +28,76 @@ def build_parser() -> argparse.ArgumentParser:
         "--replica",
         dest="replica_urls",
         action="append",
-        metavar="URL",
-        help="replica base URL to poll for load; repeat for several (NATS discovers the rest)",
+        metavar="[NAME=]URL",
+        help=(
+            "replica base URL to poll for load; repeat for several (NATS discovers the "
+            "rest). NAME=URL also pins the only URL replica NAME may announce"
+        ),
     )
     p.add_argument("--nats-url", help="NATS for kv events and heartbeats (cache-aware routing)")
+    p.add_argument(
+        "--nats-user",
+        help="NATS user; its password comes only from CACHEPOINT_NATS_PASSWORD (not a flag)",
+    )
+    p.add_argument(
+        "--replica-url-check",
+        choices=["auto", "exact", "k8s-dns", "off"],
+        help="which URL a replica may announce (default auto: exact if NAME=URL given, else off)",
+    )
+    p.add_argument(
+        "--max-epoch-skew",
+        dest="max_epoch_skew_s",
+        type=float,
+        help="refuse replica epochs this many seconds in the future (default 60)",
+    )
+    p.add_argument(
+        "--health-interval",
+        dest="health_interval_s",
+        type=float,
+        help="seconds between /readyz polls of each replica; 0 = none (default 2)",
+    )
     p.add_argument("--routing-policy", help="cache_aware (default), least_loaded, round_robin, ...")
     p.add_argument("--model", dest="models", action="append", help="model id served (repeatable)")
     p.add_argument("--model-dir", type=Path, help="tokenizer folder; default: byte tokenizer")
     p.add_argument("--block-size", type=int, help="the replicas' KV block size (default 16)")
     p.add_argument("--min-cacheable-tokens", type=int, help="shorter prefixes are not cached")
-    p.add_argument("--log-level", default="info", help="debug | info | warning (default info)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve /metrics on this port, apart from the API (0 = any free port; default off)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        help="debug | info | warning (default info); request lines are logged at any level",
+    )
     return p
+
+
+def split_replicas(values: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """``--replica`` values: bare URLs, and NAME=URL pairs (a URL has no '=' before
+    its scheme's '://')."""
+    bare: list[str] = []
+    named: dict[str, str] = {}
+    for v in values:
+        name, sep, url = v.partition("=")
+        if sep and "://" not in name:
+            named[name] = url
+        else:
+            bare.append(v)
+    return bare, named
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.replica_urls:
+        args.replica_urls, named = split_replicas(args.replica_urls)
+        args.replicas = named or None
     settings = settings_from_flags(parser, args, GatewaySettings)
+    from . import requestlog
+
+    requestlog.to_stderr()  # one JSON line per Messages request, whatever --log-level says
 
     from .app import create_app
 

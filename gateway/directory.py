@@ -9,10 +9,14 @@ snapshot requests it asks for, so every rule below is unit-testable.
 - A batch or heartbeat from a newer epoch drops the replica's index first.
 - A replica whose heartbeat is older than ``miss_factor`` intervals is not live, so
   it is never routed to; its next heartbeat brings it back.
+- A replica whose health check fails is not live until one passes or it restarts.
+- Refused, changing nothing: an epoch (the replica's start time) further in the
+  future than ``max_epoch_skew_s``, and a URL the `UrlPolicy` does not give the name.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -20,6 +24,12 @@ from typing import Any
 
 from cachepoint.events import schema
 from cachepoint.routing import ReplicaView
+
+from .trust import UrlPolicy
+
+log = logging.getLogger(__name__)
+
+_LOG_EVERY_S = 60.0  # one log line per replica and reason per minute at most
 
 
 @dataclass(slots=True)
@@ -36,6 +46,7 @@ class ReplicaState:
     block_size: int = 0
     model: str = ""
     resyncing: bool = False  # a snapshot request is in flight
+    healthy: bool = True  # False after a failed health check, until one passes or a restart
     pending: list[schema.EventBatch] = field(default_factory=list)  # held during resync
 
     @property
@@ -52,14 +63,53 @@ class ReplicaDirectory:
         heartbeat_interval_s: float = 1.0,
         miss_factor: float = 3.0,
         clock: Callable[[], float] = time.monotonic,
+        urls: UrlPolicy | None = None,
+        max_epoch_skew_s: float = 60.0,
+        wall_ns: Callable[[], int] = time.time_ns,
     ) -> None:
         self.interval = heartbeat_interval_s
         self.miss_after = heartbeat_interval_s * miss_factor
         self.clock = clock
+        self.urls = urls or UrlPolicy()
+        self.max_skew_ns = int(max_epoch_skew_s * 1e9)
+        self.wall_ns = wall_ns  # epochs are wall-clock nanoseconds (time.time_ns)
         self.replicas: dict[str, ReplicaState] = {}
         self.resyncs = 0  # snapshot resyncs started, ever
         self.heartbeat_misses = 0  # replicas taken out of routing for silence, ever
+        self.health_downs = 0  # replicas taken out of routing by a failed health check, ever
         self.batches_applied = 0
+        self.rejections: dict[str, int] = {}  # messages refused, by reason
+        self._logged: dict[tuple[str, str], float] = {}  # (reason, name) -> last log time
+
+    # ------------------------------------------------------------- refusals
+
+    def reject(self, reason: str, name: str, detail: str) -> None:
+        """Count a refused message (by reason) and log it, at most once a minute per
+        replica and reason: a flood of forgeries must not flood the log."""
+        self.rejections[reason] = self.rejections.get(reason, 0) + 1
+        now = self.clock()
+        last = self._logged.get((reason, name))
+        if last is None or now - last >= _LOG_EVERY_S:
+            if len(self._logged) >= 10_000:  # forged names must not grow it without end
+                self._logged.clear()
+            self._logged[(reason, name)] = now
+            log.warning("event plane: refused %s for replica %r: %s", reason, name, detail)
+
+    def _future_epoch(self, name: str, epoch: int) -> bool:
+        # NOTE: one forged epoch of 2**62 would otherwise make every real message of
+        # this replica "older" until the gateway restarts.
+        ahead = epoch - self.wall_ns()
+        if ahead <= self.max_skew_ns:
+            return False
+        self.reject("future_epoch", name, f"epoch {epoch} is {ahead / 1e9:.0f}s in the future")
+        return True
+
+    def _bad_url(self, name: str, url: str) -> bool:
+        why = self.urls.refuses(name, url)
+        if why is None:
+            return False
+        self.reject("url", name, why)
+        return True
 
     # ----------------------------------------------------------------- state
 
@@ -76,6 +126,7 @@ class ReplicaDirectory:
         st.last_seq = 0
         st.pending.clear()
         st.resyncing = False
+        st.healthy = True  # a new process: judge it afresh
         st.last_applied = self.clock()
 
     # ------------------------------------------------------------ heartbeats
@@ -83,6 +134,8 @@ class ReplicaDirectory:
     def on_heartbeat(self, hb: schema.Heartbeat) -> bool:
         """Record load and liveness. True when the heartbeat reveals missed batches
         (its last_seq is ahead of what was applied): the caller should resync."""
+        if self._future_epoch(hb.name, hb.epoch) or self._bad_url(hb.name, hb.url):
+            return False
         st = self._state(hb.name)
         if hb.epoch > st.epoch:
             self._new_epoch(st, hb.epoch)
@@ -97,13 +150,16 @@ class ReplicaDirectory:
         v.running = hb.running
         v.waiting = hb.waiting
         v.max_waiting = hb.max_waiting
-        v.live = True
+        v.live = st.healthy
         return hb.last_seq > st.last_seq and not st.resyncing
 
     def on_stats(self, name: str, url: str, stats: Mapping[str, Any]) -> bool:
-        """Load from a replica's /v1/stats (the fallback while NATS is down)."""
-        st = self._state(name)
+        """Load from a replica's /v1/stats (the fallback while NATS is down).
+        False when refused (a future epoch, or a URL that is not the name's)."""
         epoch = int(stats["epoch"])
+        if self._future_epoch(name, epoch) or self._bad_url(name, url):
+            return False
+        st = self._state(name)
         if epoch > st.epoch:
             self._new_epoch(st, epoch)
         st.url = url
@@ -115,7 +171,7 @@ class ReplicaDirectory:
         v.running = int(stats["running"])
         v.waiting = int(stats["waiting"])
         v.max_waiting = int(stats["max_waiting"])
-        v.live = True
+        v.live = st.healthy
         return True
 
     def sweep(self) -> list[str]:
@@ -124,7 +180,7 @@ class ReplicaDirectory:
         out = []
         for st in self.replicas.values():
             fresh = max(st.last_heartbeat, st.last_polled)
-            live = fresh > 0 and now - fresh <= self.miss_after
+            live = fresh > 0 and now - fresh <= self.miss_after and st.healthy
             if st.view.live and not live:
                 self.heartbeat_misses += 1
                 out.append(st.name)
@@ -135,6 +191,8 @@ class ReplicaDirectory:
 
     def on_batch(self, batch: schema.EventBatch) -> bool:
         """Apply a batch in order. True when a gap was found and a resync must start."""
+        if self._future_epoch(batch.replica, batch.epoch):
+            return False
         st = self._state(batch.replica)
         if batch.epoch < st.epoch:
             return False
@@ -169,6 +227,9 @@ class ReplicaDirectory:
     def on_snapshot(self, snap: schema.Snapshot) -> bool:
         """Replace the index, then replay buffered batches past the snapshot.
         True when another gap remains and a new resync is needed."""
+        if self._future_epoch(snap.replica, snap.epoch):
+            self.resync_failed(snap.replica)
+            return False
         st = self._state(snap.replica)
         if snap.epoch < st.epoch:
             st.resyncing = False
@@ -219,3 +280,25 @@ class ReplicaDirectory:
         if st is not None:
             st.view.live = False
             st.last_heartbeat = st.last_polled = 0.0
+
+    def mark_unhealthy(self, name: str, why: str) -> None:
+        """Its health check failed: no routing there until one passes (`mark_healthy`)
+        or it starts a new epoch, whatever its heartbeats say meanwhile."""
+        st = self.replicas.get(name)
+        if st is None or not st.healthy:
+            return
+        st.healthy = False
+        if st.view.live:
+            self.health_downs += 1
+        st.view.live = False
+        log.warning("replica %s out of routing: health check failed (%s)", name, why)
+
+    def mark_healthy(self, name: str) -> None:
+        """Its health check passed: live again if it is heard from recently."""
+        st = self.replicas.get(name)
+        if st is None or st.healthy:
+            return
+        st.healthy = True
+        fresh = max(st.last_heartbeat, st.last_polled)
+        st.view.live = fresh > 0 and self.clock() - fresh <= self.miss_after
+        log.info("replica %s back in routing: health check passed", name)

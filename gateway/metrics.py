@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_wsgi_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -17,11 +21,20 @@ _SLOW = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 class _PlaneCollector(Collector):
     """Event-plane figures read at scrape time from the directory and the bus."""
 
-    def __init__(self, read: Callable[[], dict[str, float]]) -> None:
+    def __init__(self, read: Callable[[], dict[str, Any]]) -> None:
         self.read = read
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        v = self.read()
+        # NOTE: scrapes run on the metrics listener's thread while the event loop may
+        # be adding a replica: a dict that changed size mid-read is simply read again.
+        for _ in range(3):
+            try:
+                v = self.read()
+                break
+            except RuntimeError:
+                continue
+        else:
+            return
         yield GaugeMetricFamily(
             "cachepoint_event_lag_seconds",
             "Publish-to-apply delay of the last kv batch",
@@ -38,6 +51,19 @@ class _PlaneCollector(Collector):
         yield GaugeMetricFamily(
             "cachepoint_replicas_live", "Replicas routing can use", value=v["live"]
         )
+        yield CounterMetricFamily(
+            "cachepoint_health_downs",
+            "Replicas taken out of routing by a failed health check",
+            value=v.get("health_downs", 0),
+        )
+        refused = CounterMetricFamily(
+            "cachepoint_event_rejections",
+            "Event-plane messages refused, by reason (url, future_epoch, subject_mismatch)",
+            labels=["reason"],
+        )
+        for reason, n in sorted(v.get("rejections", {}).items()):
+            refused.add_metric([reason], n)
+        yield refused
 
 
 class GatewayMetrics:
@@ -86,7 +112,7 @@ class GatewayMetrics:
             registry=self.registry,
         )
 
-    def watch_plane(self, read: Callable[[], dict[str, float]]) -> None:
+    def watch_plane(self, read: Callable[[], dict[str, Any]]) -> None:
         self.registry.register(_PlaneCollector(read))
 
     def billed(self, org: str, model: str, b: Buckets, cost_micros: int) -> None:
@@ -100,3 +126,30 @@ class GatewayMetrics:
             if n:
                 self.billed_tokens.labels(org, model, bucket).inc(n)
         self.cost.labels(org, model).inc(cost_micros / 1_000_000)
+
+
+@dataclass(slots=True)
+class MetricsListener:
+    """The private /metrics listener: prometheus_client's own threaded HTTP server on a
+    port apart from the API, because the billed figures carry each org's id."""
+
+    server: WSGIServer  # serves the registry on every path
+    thread: threading.Thread  # the server's daemon thread
+    host: str  # the address it is bound to
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.server.server_port}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
+
+
+def listen(registry: CollectorRegistry, host: str, port: int) -> MetricsListener:
+    """Serve ``registry`` on ``host:port`` (0 = any free port) until ``close``."""
+    server, thread = start_wsgi_server(port, addr=host, registry=registry)
+    return MetricsListener(server, thread, host)

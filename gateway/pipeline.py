@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .contract.billing import Buckets, buckets
+from .contract.billing import BillingError, Buckets, buckets
 from .contract.breakpoints import CachePlan, ContractError, resolve
 from .contract.render import RenderedPrompt, Renderer
 from .errors import ApiError, invalid
@@ -88,23 +88,67 @@ def prepare(
         "top_p": req.top_p or 1.0,
         "top_k": req.top_k or 0,
         "stop_sequences": req.stop_sequences or [],
+        # NOTE: retention is charged to the org whatever the cache key (global scope,
+        # tenant_scope=workspace): the quota is the org's (docs/gateway.md, Tenancy).
+        "retention_owner": f"org:{ctx.org_id}",
+        "owner_retained_share": ctx.retained_share,
     }
     return Prepared(rendered, plan, payload)
 
 
-def buckets_of(cache: dict[str, Any], output_tokens: int) -> Buckets:
+class UsageReportError(ApiError):
+    """A replica's usage report that cannot be true for the request it was sent: the
+    request fails with an api_error, nothing is billed from it, and the replica is
+    reported."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(500, "api_error", f"replica sent an unusable usage report: {reason}")
+        self.reason = reason  # what did not add up, for the log line
+
+
+@dataclass(frozen=True, slots=True)
+class ReportLimits:
+    """What the gateway sent, and so what a replica's usage report must agree with."""
+
+    prompt_tokens: int  # the rendered prompt's length: the report must say exactly this
+    max_tokens: int  # no more output tokens than this may be billed
+
+    @classmethod
+    def of(cls, prepared: Prepared) -> ReportLimits:
+        return cls(len(prepared.rendered), int(prepared.payload["max_tokens"]))
+
+
+def check_output(output_tokens: int, limits: ReportLimits) -> int:
+    if output_tokens < 0 or output_tokens > limits.max_tokens:
+        raise UsageReportError(f"{output_tokens} output tokens for max_tokens {limits.max_tokens}")
+    return output_tokens
+
+
+def buckets_of(cache: dict[str, Any], output_tokens: int, limits: ReportLimits) -> Buckets:
     """The replica's cache report is the only source; engine hits without a marker are
-    not reads (DESIGN §3)."""
+    not reads (DESIGN §3). NOTE: the report is checked against what was sent, because
+    a replica (or something posing as one) is not trusted to bill: the prompt length
+    must match, the cached buckets must fit in it, and output is capped by max_tokens."""
     try:
-        return buckets(
-            int(cache["prompt_tokens"]),
-            int(cache["entry_hit_tokens"]),
-            int(cache["written_5m_tokens"]),
-            int(cache["written_1h_tokens"]),
-            output_tokens,
+        fields = (
+            cache["prompt_tokens"],
+            cache["entry_hit_tokens"],
+            cache["written_5m_tokens"],
+            cache["written_1h_tokens"],
         )
-    except (KeyError, ValueError) as exc:
-        raise ApiError(500, "api_error", f"replica sent an unusable cache report: {exc}") from exc
+    except (KeyError, TypeError) as exc:
+        raise UsageReportError(f"missing {exc}") from exc
+    # NOTE: bool is an int subclass and float/str would be silently coerced by int().
+    if not all(type(v) is int for v in fields):
+        raise UsageReportError(f"non-integer token counts {fields!r}")
+    prompt, read, w5, w1 = fields
+    if prompt != limits.prompt_tokens:
+        raise UsageReportError(f"prompt_tokens {prompt} for a {limits.prompt_tokens}-token prompt")
+    check_output(output_tokens, limits)
+    try:
+        return buckets(prompt, read, w5, w1, output_tokens)
+    except BillingError as exc:
+        raise UsageReportError(str(exc)) from exc
 
 
 def usage_of(b: Buckets) -> Usage:

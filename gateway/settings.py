@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from cachepoint.events.subjects import check_replica_name
 from cachepoint.routing import DEFAULT_POLICY
 
 DEFAULT_DB = "sqlite:///.cachepoint/cachepoint.db"
@@ -46,8 +48,67 @@ class GatewaySettings(BaseSettings):
         ),
         description="NATS for kv events and heartbeats; None = load-only routing",
     )
+    nats_user: str | None = Field(
+        None,
+        validation_alias=AliasChoices(
+            "nats_user", "CACHEPOINT_GATEWAY_NATS_USER", "CACHEPOINT_NATS_USER"
+        ),
+        description="NATS user ('gateway' in generated configs); None = connect without auth",
+    )
+    nats_password: SecretStr | None = Field(
+        None,
+        validation_alias=AliasChoices(
+            "nats_password", "CACHEPOINT_GATEWAY_NATS_PASSWORD", "CACHEPOINT_NATS_PASSWORD"
+        ),
+        description="NATS password for nats_user",
+    )
+    replicas: dict[str, str] = Field(
+        default_factory=dict,
+        description="replica name -> base URL: the only URL each may announce (exact check)",
+    )
+    replica_url_check: Literal["auto", "exact", "k8s-dns", "off"] = Field(
+        "auto",
+        description=(
+            "which URL a replica may announce: exact (the `replicas` map), k8s-dns "
+            "(http(s)://POD.SERVICE.NAMESPACE.svc[.cluster.local][:PORT] for name "
+            "NAMESPACE-POD, or the map), off (any); auto = exact if `replicas` is set, else off"
+        ),
+    )
+    max_epoch_skew_s: float = Field(
+        60.0, ge=0, description="epochs (replica start times) further in the future are refused"
+    )
+    health_interval_s: float = Field(
+        2.0, ge=0, description="seconds between /readyz polls of each replica; 0 = no polls"
+    )
+
+    @model_validator(mode="after")
+    def _event_plane(self) -> GatewaySettings:
+        if (self.nats_user is None) != (self.nats_password is None):
+            raise ValueError("nats_user and nats_password go together: set both or neither")
+        for name, url in self.replicas.items():
+            check_replica_name(name)
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"replica {name}: {url!r} is not an http(s) URL")
+        if self.replica_url_check == "exact" and not self.replicas:
+            raise ValueError("replica_url_check=exact needs the replicas name -> URL map")
+        return self
+
+    @property
+    def url_check(self) -> str:
+        """The URL rule in force: `auto` resolved."""
+        if self.replica_url_check == "auto":
+            return "exact" if self.replicas else "off"
+        return self.replica_url_check
+
     routing_policy: str = Field(DEFAULT_POLICY, description="cache_aware | least_loaded | ...")
     heartbeat_interval_s: float = Field(1.0, gt=0, description="the replicas' heartbeat period")
+    internal_token: SecretStr | None = Field(
+        None,
+        validation_alias=AliasChoices(
+            "internal_token", "CACHEPOINT_GATEWAY_INTERNAL_TOKEN", "CACHEPOINT_INTERNAL_TOKEN"
+        ),
+        description="bearer token sent on every call to a replica; None = none sent",
+    )
     models: list[str] = Field(
         default_factory=lambda: ["cachepoint-tiny"], description="model ids served"
     )
@@ -63,6 +124,26 @@ class GatewaySettings(BaseSettings):
     )
     default_input_per_mtok: int = Field(3_000_000, ge=0, description="µ$ / MTok w/o price row")
     default_output_per_mtok: int = Field(15_000_000, ge=0, description="µ$ / MTok w/o price row")
-    max_body_bytes: int = Field(32 * 2**20, ge=1024, description="larger bodies get 413")
+    max_body_bytes: int = Field(
+        32 * 2**20, ge=1024, description="larger bodies get 413, chunked ones while read"
+    )
+    body_read_timeout_s: float = Field(
+        30.0, gt=0, description="a request body not fully read by then gets 408"
+    )
+    metrics_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="port of the private /metrics listener; 0 = any free port, None = off",
+    )
+    # NOTE: per gateway process, in requests or input tokens per minute; 0 = no limit.
+    # The org defaults are far above what one CPU stack serves, so the embedded stack
+    # and the tests are never throttled; an operator sets real ones.
+    org_requests_per_minute: int = Field(6_000, ge=0, description="per org; 0 = no limit")
+    org_input_tokens_per_minute: int = Field(
+        10_000_000, ge=0, description="input + cache-write tokens per org; 0 = no limit"
+    )
+    key_requests_per_minute: int = Field(0, ge=0, description="per API key; 0 = no limit")
+    key_input_tokens_per_minute: int = Field(0, ge=0, description="per API key; 0 = no limit")
     auth_cache_seconds: float = Field(5.0, ge=0, description="how long a key lookup is reused")
     upstream_timeout_s: float = Field(600.0, gt=0, description="replica call timeout")

@@ -9,10 +9,12 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 from sqlalchemy.orm import Session, sessionmaker
 
+from . import requestlog
 from .contract.billing import Price, cost_micros
 from .contract.render import Renderer
 from .ledger import Charge, price_for, record_on
 from .metrics import GatewayMetrics
+from .ratelimit import Limits, RateLimiter
 from .settings import GatewaySettings
 from .tenants import KeyContext, authenticate, hash_key
 from .upstream import Router
@@ -26,14 +28,29 @@ class GatewayState:
     router: Router
     tracer: trace.Tracer = field(default_factory=trace.NoOpTracer)
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    limiter: RateLimiter = field(init=False)  # rate limits per org and key, from settings
     # key hash -> (context or None, monotonic expiry): keeps auth off the DB per request
     _auth_cache: dict[str, tuple[KeyContext | None, float]] = field(default_factory=dict)
+    # key hash -> monotonic time it was last forgotten (revoked or restored here): a
+    # lookup begun before then must not put its stale answer back in the cache
+    _forgotten_at: dict[str, float] = field(default_factory=dict)
     # model -> (price, monotonic expiry): prices change rarely; reading them per request
     # cost a query on the billing path
     _price_cache: dict[str, tuple[Price, float]] = field(default_factory=dict)
 
     # Models the live replicas report (set by the app from the directory).
     served_models: Callable[[], set[str]] = field(default_factory=lambda: set)
+
+    def __post_init__(self) -> None:
+        s = self.settings
+        self.limiter = RateLimiter(
+            Limits(
+                s.org_requests_per_minute,
+                s.org_input_tokens_per_minute,
+                s.key_requests_per_minute,
+                s.key_input_tokens_per_minute,
+            )
+        )
 
     def models(self) -> list[str]:
         """Configured models plus whatever the live replicas say they serve."""
@@ -58,8 +75,17 @@ class GatewayState:
             ctx = authenticate(session, raw)
         if len(self._auth_cache) > 100_000:
             self._auth_cache.clear()
+        if self._forgotten_at.get(digest, -1.0) >= now:
+            return ctx  # changed while this lookup ran: answer it, but do not cache it
         self._auth_cache[digest] = (ctx, now + self.settings.auth_cache_seconds)
         return ctx
+
+    def forget_key(self, key_hash: str) -> None:
+        """Drop a key (by its stored hash) from this process's auth cache after it was
+        revoked or restored: its next request is looked up again. NOTE: other gateway
+        processes keep their cached answer for up to ``auth_cache_seconds``."""
+        self._forgotten_at[key_hash] = time.monotonic()
+        self._auth_cache.pop(key_hash, None)
 
     def price(self, model: str) -> Price:
         now = time.monotonic()
@@ -74,11 +100,15 @@ class GatewayState:
     def bill(self, charge: Charge) -> int | None:
         """Write the usage row (idempotent by request id); runs in a worker thread.
         Returns the cost in micro-dollars, or None if this request was already billed."""
+        requestlog.note_charge(charge)
         price = self.price(charge.model)
         bind = self.sessions.kw["bind"]
         inserted = record_on(bind, charge, price)
         if not inserted:
             return None
+        b = charge.buckets
+        spent = b.input_tokens + b.cache_write_5m_tokens + b.cache_write_1h_tokens
+        self.limiter.spend_input(charge.org_id, charge.api_key_id, spent)
         cost = cost_micros(charge.buckets, price)
         self.metrics.billed(charge.org_id, charge.model, charge.buckets, cost)
         return cost

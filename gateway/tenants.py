@@ -31,6 +31,7 @@ class KeyContext:
     workspace_id: str | None
     is_admin: bool  # admin keys read reports; they cannot send messages
     policy: ScopePolicy  # the org's global-scope policy
+    retained_share: float | None = None  # the org's retention quota; None = replica default
 
 
 def hash_key(raw: str) -> str:
@@ -117,6 +118,27 @@ def revoke_key(session: Session, key_id: str) -> ApiKey:
     return key
 
 
+def org_key(session: Session, org_id: str, key_id: str) -> ApiKey | None:
+    """The key with this id if it belongs to ``org_id``; None for another org's key, so
+    that an admin key cannot even learn that one exists."""
+    key = session.get(ApiKey, key_id)
+    return key if key is not None and key.org_id == org_id else None
+
+
+def update_key(
+    session: Session, key: ApiKey, *, name: str | None = None, active: bool | None = None
+) -> ApiKey:
+    """Rename a key, revoke it (active=False) or restore it (active=True)."""
+    if name is not None:
+        key.name = name
+    if active is False and key.revoked_at is None:
+        key.revoked_at = datetime.now(UTC)
+    elif active is True:
+        key.revoked_at = None
+    session.flush()
+    return key
+
+
 def set_policy(
     session: Session, org: Org, *, allow_global: bool, allowlist: list[str] | None = None
 ) -> None:
@@ -142,4 +164,5 @@ def authenticate(session: Session, raw: str) -> KeyContext | None:
         workspace_id=key.workspace_id,
         is_admin=key.is_admin,
         policy=ScopePolicy(allow_global=org.allow_global_scope, allowlist=allow),
+        retained_share=org.retained_share,
     )

@@ -47,6 +47,14 @@ class ReplicaUnreachableError(ApiError):
         self.replica = name
 
 
+class ReplicaStreamError(ApiError):
+    """The replica's event stream broke after it began (it died, or sent garbage)."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(500, "api_error", f"replica {name} stream failed: {reason}")
+        self.replica = name
+
+
 class ReplicaClient:
     """One replica's internal API (POST /v1/generate, GET /v1/stats)."""
 
@@ -82,9 +90,20 @@ class ReplicaClient:
                     raise _error_from(resp.status_code, await resp.aread())
 
                 async def events() -> AsyncIterator[dict[str, Any]]:
-                    async for line in resp.aiter_lines():
-                        if line:
-                            yield json.loads(line)
+                    # NOTE: a replica that dies mid-stream surfaces here, after the
+                    # response began; it becomes one typed error for the relay to
+                    # report, not an httpx exception escaping into the ASGI server.
+                    try:
+                        async for line in resp.aiter_lines():
+                            if line:
+                                event = json.loads(line)
+                                if not isinstance(event, dict):
+                                    raise ValueError(f"not an object: {line[:80]!r}")
+                                yield event
+                    except httpx.TransportError as exc:
+                        raise ReplicaStreamError(self.name, f"connection lost: {exc!r}") from exc
+                    except ValueError as exc:
+                        raise ReplicaStreamError(self.name, f"unreadable event: {exc}") from exc
 
                 yield events()
         except httpx.TransportError as exc:

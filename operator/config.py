@@ -6,10 +6,11 @@ NATS and OTLP collector live (the chart sets them), and how often to poll member
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 ENV_PREFIX = "CACHEPOINT_OPERATOR_"
 
@@ -24,6 +25,17 @@ class OperatorConfig(BaseModel):
     stats_interval: float = Field(10.0, gt=0, description="seconds between /v1/stats polls")
     stats_timeout: float = Field(2.0, gt=0, description="per-member /v1/stats timeout, seconds")
     retry_delay: float = Field(10.0, gt=0, description="seconds before retrying a rolling step")
+    internal_token: SecretStr | None = Field(
+        None,
+        description="the replicas' internal token: sent on /v1/stats polls and copied into "
+        "each CacheReplica's credentials Secret for its members",
+    )
+    nats_users_secret: str | None = Field(
+        None, description="the NATS users Secret to maintain in release_namespace; None = none"
+    )
+    release_namespace: str | None = Field(
+        None, description="namespace of the chart's NATS and of nats_users_secret"
+    )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorConfig:
@@ -37,4 +49,13 @@ class OperatorConfig(BaseModel):
 
     def pod_fingerprint(self) -> dict[str, str | None]:
         """The settings that end up inside member pods: a change must roll them."""
-        return {"nats_url": self.nats_url, "otlp_endpoint": self.otlp_endpoint}
+        token = self.internal_token
+        # A new token must reach every member: fingerprint it without writing it out.
+        digest = (
+            hashlib.sha256(token.get_secret_value().encode()).hexdigest()[:12] if token else None
+        )
+        return {"nats_url": self.nats_url, "otlp_endpoint": self.otlp_endpoint, "token": digest}
+
+    @property
+    def maintains_nats_users(self) -> bool:
+        return bool(self.nats_users_secret and self.release_namespace)

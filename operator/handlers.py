@@ -1,9 +1,12 @@
 """kopf handlers for CacheReplica: thin glue between events and the pure builders.
 
-- create / update / resume: check the spec, then converge the Service and members
-  (rolling one member at a time); TemporaryError until the roll settles.
-- a timer: heal missing members, poll every member's /v1/stats, write status.
-- delete: remove the children, then kopf releases the finalizer.
+- create / update / resume: check the spec, then the credentials Secret and this
+  CacheReplica's users in the NATS users include, then converge the Service and
+  members (rolling one member at a time); TemporaryError until the roll settles.
+- a timer: re-assert the credentials and NATS users, heal missing members, poll every
+  member's /v1/stats (with the internal token), write status.
+- delete: remove the children and the credentials, drop the NATS users, then kopf
+  releases the finalizer.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from . import children, kube, stats
+from . import children, credentials, kube, stats
 from .config import OperatorConfig
 from .naming import FINALIZER, GROUP, PLURAL, VERSION
 from .pod import template_hash
@@ -76,11 +79,15 @@ def reconcile(
         kopf.warn(body, reason="InvalidSpec", message=str(e))
         raise kopf.PermanentError(f"invalid spec: {e}") from None
     try:
+        # Credentials first: a member pod cannot start before the Secret it reads.
+        passwords = credentials.ensure_credentials(body, name, namespace, replica.replicas, CONFIG)
+        if credentials.sync_nats_users(CONFIG, namespace, name, passwords):
+            logger.info("NATS users updated")
         service = children.ensure_service(body, name, namespace, replica)
         step = children.converge_members(body, name, namespace, uid, replica, CONFIG, roll=True)
     except ApiException as e:
         raise _api_error(e) from e
-    except children.ForeignChild as e:
+    except (children.ForeignChild, credentials.ForeignSecret) as e:
         # Not ours to fix: say so once per attempt, and look again now and then.
         kopf.warn(body, reason="NameConflict", message=str(e))
         raise kopf.TemporaryError(str(e), delay=max(60.0, CONFIG.retry_delay)) from e
@@ -117,6 +124,12 @@ async def refresh_status(
         # and never while it is being deleted.
         handled = status.get("observedGeneration") is not None
         if handled and not meta.get("deletionTimestamp"):
+            # Level-based: the users include is re-asserted on every tick, so a users
+            # Secret that Helm reset or another writer dropped is repaired here.
+            passwords = await asyncio.to_thread(
+                credentials.ensure_credentials, body, name, namespace, replica.replicas, CONFIG
+            )
+            await asyncio.to_thread(credentials.sync_nats_users, CONFIG, namespace, name, passwords)
             await asyncio.to_thread(
                 children.converge_members, body, name, namespace, uid, replica, CONFIG, roll=False
             )
@@ -124,12 +137,16 @@ async def refresh_status(
     except ApiException as e:
         logger.warning(f"cannot list members: {e.status} {e.reason}")
         return
+    except credentials.ForeignSecret as e:
+        logger.warning(str(e))
+        return
     urls = {
         pod["metadata"]["name"]: stats.stats_url(pod["status"]["podIP"], replica.port)
         for pod in pods
         if pod.get("status", {}).get("podIP") and not pod["metadata"].get("deletionTimestamp")
     }
-    polled = await stats.poll(urls, CONFIG.stats_timeout)
+    token = CONFIG.internal_token.get_secret_value() if CONFIG.internal_token else None
+    polled = await stats.poll(urls, CONFIG.stats_timeout, token)
     new_status, restarts = build_status(
         replica=name,
         desired=replica.replicas,
@@ -155,6 +172,10 @@ def remove(name: str, namespace: str, uid: str, logger: kopf.Logger, **_: Any) -
     # the order explicit (members first) and holds the finalizer until it is done.
     try:
         removed = children.remove_children(namespace, name, uid)
+        removed += credentials.remove_credentials(namespace, name, uid)
+        # After the pods: a member still running loses its NATS user only once it is gone.
+        if credentials.sync_nats_users(CONFIG, namespace, name, None):
+            logger.info("NATS users updated")
     except ApiException as e:
         raise _api_error(e) from e
     logger.info(f"removed {removed} child object(s)")

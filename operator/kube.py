@@ -118,3 +118,30 @@ def patch_service(namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
 
 def delete_service(namespace: str, name: str) -> bool:
     return _call(404, _core().delete_namespaced_service, name, namespace) is not None
+
+
+def get_secret(namespace: str, name: str) -> dict[str, Any] | None:
+    response = _call(404, _core().read_namespaced_secret, name, namespace)
+    return None if response is None else _json(response)
+
+
+def create_secret(secret: dict[str, Any]) -> bool:
+    ns = secret["metadata"]["namespace"]
+    return _call(409, _core().create_namespaced_secret, ns, secret) is not None
+
+
+def patch_secret(namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
+    """JSON patch; start `ops` with a `test` of resourceVersion to make it conditional
+    (the API then answers 422 if someone wrote the Secret in between)."""
+    _core().patch_namespaced_secret(
+        name,
+        namespace,
+        ops,
+        _content_type=JSON_PATCH,
+        _preload_content=False,
+        _request_timeout=TIMEOUT,
+    )
+
+
+def delete_secret(namespace: str, name: str) -> bool:
+    return _call(404, _core().delete_namespaced_secret, name, namespace) is not None

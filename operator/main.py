@@ -31,7 +31,8 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
         prog="cachepoint-operator",
         description="Reconcile CacheReplica objects (cachepoint.dev/v1alpha1) into GPU pods, "
         "a Service and status. Settings for member pods come from CACHEPOINT_OPERATOR_* env: "
-        "NATS_URL, OTLP_ENDPOINT, STATS_INTERVAL, STATS_TIMEOUT, RETRY_DELAY.",
+        "NATS_URL, OTLP_ENDPOINT, STATS_INTERVAL, STATS_TIMEOUT, RETRY_DELAY, INTERNAL_TOKEN, "
+        "NATS_USERS_SECRET, RELEASE_NAMESPACE.",
     )
     scope = parser.add_mutually_exclusive_group(required=True)
     scope.add_argument(

@@ -22,8 +22,27 @@ PORT_NAME = "http"
 MAX_NAME_LENGTH = 56
 
 
+# The member Secret's key holding the internal token (the same value for every member).
+INTERNAL_TOKEN_KEY = "internal-token"
+# The NATS users include: one Secret in the release namespace, rebuilt from every
+# CacheReplica's members. users.conf is what nats-server reads; members.json is the
+# operator's own record of which CacheReplica contributed which users.
+USERS_CONF_KEY = "users.conf"
+USERS_RECORD_KEY = "members.json"
+GATEWAY_NATS_USER = "gateway"
+# NOTE: nats-server resolves an unknown $VARIABLE from its environment, and variables
+# do not cross `include` boundaries: the chart puts the gateway's password in the NATS
+# container's env under this name, so the users file (written here) never holds it.
+GATEWAY_PASSWORD_ENV = "CACHEPOINT_NATS_GATEWAY_PASSWORD"
+
+
 def member_pod_name(replica: str, index: int) -> str:
     return f"{replica}-{index}"
+
+
+def credentials_secret_name(replica: str) -> str:
+    """The Secret holding one NATS password per member and the internal token."""
+    return f"{replica}-credentials"
 
 
 def service_name(replica: str) -> str:

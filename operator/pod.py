@@ -15,9 +15,11 @@ from .naming import (
     ANNOTATION_MIN_CACHEABLE,
     ANNOTATION_TEMPLATE_HASH,
     CONTAINER,
+    INTERNAL_TOKEN_KEY,
     LABEL_MEMBER,
     PORT_NAME,
     common_labels,
+    credentials_secret_name,
     member_pod_name,
     replica_process_name,
     service_name,
@@ -37,6 +39,19 @@ def template_hash(spec: ReplicaSpec, config: OperatorConfig) -> str:
 
 def _field_ref(path: str) -> dict[str, Any]:
     return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def _secret_ref(replica: str, key: str) -> dict[str, Any]:
+    return {"valueFrom": {"secretKeyRef": {"name": credentials_secret_name(replica), "key": key}}}
+
+
+def member_url(*, replica: str, namespace: str, pod: str, port: int) -> str:
+    """The member's stable DNS name (hostname + subdomain + the headless Service).
+
+    The gateway accepts a heartbeat's URL only in this shape and only for the replica
+    named <namespace>-<pod>, so an announced URL cannot point anywhere else.
+    """
+    return f"http://{pod}.{service_name(replica)}.{namespace}.svc.cluster.local:{port}"
 
 
 def build_replica_env(
@@ -70,6 +85,13 @@ def build_replica_env(
     ]
     if config.nats_url:
         env.append({"name": "CACHEPOINT_NATS_URL", "value": config.nats_url})
+        # Its own NATS user: the server lets it publish only under this name.
+        env.append({"name": "CACHEPOINT_NATS_USER", "value": replica_process_name(namespace, pod)})
+        env.append({"name": "CACHEPOINT_NATS_PASSWORD", **_secret_ref(replica, pod)})
+    if config.internal_token is not None:
+        env.append(
+            {"name": "CACHEPOINT_INTERNAL_TOKEN", **_secret_ref(replica, INTERNAL_TOKEN_KEY)}
+        )
     if config.otlp_endpoint:
         env.append({"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": config.otlp_endpoint})
     attributes = {
@@ -88,8 +110,12 @@ def build_replica_env(
         {"name": "POD_NAME", **_field_ref("metadata.name")},
         {"name": "POD_NAMESPACE", **_field_ref("metadata.namespace")},
         {"name": "POD_IP", **_field_ref("status.podIP")},
-        # What the replica puts in its heartbeats; $(POD_IP) expands from the entry above.
-        {"name": ENV_PREFIX + "ADVERTISE_URL", "value": f"http://$(POD_IP):{spec.port}"},
+        # What the replica puts in its heartbeats: its DNS name, not its IP, so that the
+        # gateway can check the URL against the name (see member_url).
+        {
+            "name": ENV_PREFIX + "ADVERTISE_URL",
+            "value": member_url(replica=replica, namespace=namespace, pod=pod, port=spec.port),
+        },
     ]
     # User env comes last and wins over ours with the same name (one entry per name).
     overridden = {item["name"] for item in spec.env}

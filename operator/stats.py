@@ -56,11 +56,17 @@ async def _fetch(client: httpx.AsyncClient, url: str) -> ReplicaStats | str:
         return f"{type(e).__name__}: {e}"[:200]
 
 
-async def poll(urls: Mapping[str, str], timeout: float) -> dict[str, ReplicaStats | str]:
-    """Stats (or an error message) per member name, for every member given a URL."""
+async def poll(
+    urls: Mapping[str, str], timeout: float, token: str | None = None
+) -> dict[str, ReplicaStats | str]:
+    """Stats (or an error message) per member name, for every member given a URL.
+
+    ``token`` is the replicas' internal token: /v1/stats answers 401 without it.
+    """
     if not urls:
         return {}
+    headers = {"authorization": f"Bearer {token}"} if token else None
     # trust_env=False: an HTTP(S)_PROXY set for image pulls must not catch pod-IP traffic.
-    async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
+    async with httpx.AsyncClient(timeout=timeout, trust_env=False, headers=headers) as client:
         results = await asyncio.gather(*(_fetch(client, url) for url in urls.values()))
     return dict(zip(urls, results, strict=True))

@@ -55,6 +55,19 @@ def _usd_per_mtok(text: str) -> int:
     return int(micros)
 
 
+def _share(text: str) -> float | None:
+    """A share of the retained budget in [0, 1], or 'default' (None: the replica's)."""
+    if text.strip().lower() == "default":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a share: {text!r} (0 to 1, or 'default')") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"share {text!r} must be within 0 and 1")
+    return value
+
+
 def _mult(text: str) -> str:
     try:
         value = Decimal(text)
@@ -77,7 +90,7 @@ def cmd_orgs_create(s: Session, a: argparse.Namespace) -> None:
 def cmd_orgs_list(s: Session, a: argparse.Namespace) -> None:
     from ..db.models import Org
 
-    t = Table("id", "name", "global scope", "allow-list", "created")
+    t = Table("id", "name", "global scope", "allow-list", "retained share", "created")
     for org in s.scalars(select(Org).order_by(Org.created_at)):
         n = len([d for d in org.global_allowlist.split("\n") if d])
         t.add_row(
@@ -85,6 +98,7 @@ def cmd_orgs_list(s: Session, a: argparse.Namespace) -> None:
             org.name,
             "allowed" if org.allow_global_scope else "off",
             str(n) if n else "any",
+            "default" if org.retained_share is None else f"{org.retained_share:g}",
             org.created_at.strftime("%Y-%m-%d %H:%M"),
         )
     out.print(t)
@@ -96,6 +110,14 @@ def cmd_orgs_set_policy(s: Session, a: argparse.Namespace) -> None:
     s.commit()
     state = "allowed" if org.allow_global_scope else "off"
     out.print(f"org {org.name}: global scope {state}")
+
+
+def cmd_orgs_set_retention(s: Session, a: argparse.Namespace) -> None:
+    org = get_org(s, a.name)
+    org.retained_share = a.share
+    s.commit()
+    share = "the replicas' default" if a.share is None else f"{a.share:g}"
+    out.print(f"org {org.name}: retained share {share}")
 
 
 def cmd_workspaces_create(s: Session, a: argparse.Namespace) -> None:
@@ -311,6 +333,27 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="DIGEST",
         help="restrict global scope to these prefix digests (repeatable)",
+    )
+
+    c = command(
+        orgs,
+        "set-retention",
+        cmd_orgs_set_retention,
+        "set the share of each replica's retained (TTL) blocks an org may hold",
+    )
+    c.epilog = (
+        "A replica may retain retained_share x its blocks under TTL; each org may hold "
+        "SHARE of that (the replica's org_retained_share, 0.5 by default, when unset). "
+        "A cache write past the quota is refused and billed as plain input. Lowering a "
+        "share never drops retention already granted; it applies to new writes. Gateways "
+        "pick the change up within auth_cache_seconds (5 s by default)."
+    )
+    c.add_argument("name", help="org name or id")
+    c.add_argument(
+        "--share",
+        required=True,
+        type=_share,
+        help="0 to 1 (1 = no per-org limit, 0 = no retention), or 'default'",
     )
 
     ws = sub.add_parser("workspaces", help="workspaces").add_subparsers(dest="cmd", required=True)

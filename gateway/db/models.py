@@ -8,9 +8,11 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     String,
     Text,
     UniqueConstraint,
@@ -34,6 +36,8 @@ class Org(Base):
     allow_global_scope: Mapped[bool] = mapped_column(Boolean, default=False)
     # Newline-separated prefix digests global scope may cover; empty = any.
     global_allowlist: Mapped[str] = mapped_column(Text, default="")
+    # Share of each replica's retained blocks the org may hold; None = the replica default.
+    retained_share: Mapped[float | None] = mapped_column(Float, nullable=True, default=None)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
@@ -95,3 +99,24 @@ class UsageRecord(Base):
     cost_micros: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     created_s: Mapped[int] = mapped_column(BigInteger)  # epoch seconds: portable bucketing
+
+
+class IdempotencyRecord(Base):
+    """A client's `idempotency-key` on POST /v1/messages: the first request's outcome,
+    replayed to any retry with the same key and body for 24 h (expired rows are purged
+    lazily). ``status`` None means the first request is still in flight."""
+
+    __tablename__ = "idempotency_keys"
+    __table_args__ = (Index("ix_idempotency_created", "created_s"),)
+
+    api_key_id: Mapped[str] = mapped_column(String(40), primary_key=True)  # the key's scope
+    key: Mapped[str] = mapped_column(String(255), primary_key=True)  # the client's header
+    org_id: Mapped[str] = mapped_column(String(40))
+    body_sha256: Mapped[str] = mapped_column(String(64))  # of the canonical request
+    request_id: Mapped[str] = mapped_column(String(64))  # the request that owns the key
+    status: Mapped[int | None] = mapped_column(Integer, nullable=True)  # None: in flight
+    kind: Mapped[str] = mapped_column(String(8), default="json")  # json | sse
+    headers: Mapped[str] = mapped_column(Text, default="{}")  # JSON object to replay
+    response: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    created_s: Mapped[int] = mapped_column(BigInteger)  # epoch seconds: expiry and purge

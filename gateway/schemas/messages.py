@@ -1,18 +1,71 @@
 """The Messages API request and response, as the official SDK sends and parses them.
 
 Unknown fields are refused (``extra="forbid"``) so a typo is a 400 naming the path,
-never a silently ignored parameter.
+never a silently ignored parameter. Integers and booleans are strict (``true`` is not
+1), and no string may hold a lone UTF-16 surrogate, which no tokenizer can encode.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    model_validator,
+)
 
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+# JSON decodes "\\ud800" without its pair to a lone surrogate code point: valid JSON,
+# but not Unicode, so it cannot be encoded to UTF-8 (a pair decodes to one code point).
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(value: Any, path: str = "") -> tuple[str, str] | None:
+    """(dotted path, code point) of the first string or key holding a lone surrogate."""
+    if isinstance(value, str):
+        found = _SURROGATE.search(value)
+        return (path, f"U+{ord(found.group()):04X}") if found else None
+    items: Any = ()
+    if isinstance(value, dict):
+        for key in value:
+            found = _SURROGATE.search(key) if isinstance(key, str) else None
+            if found:
+                return (path or "body", f"U+{ord(found.group()):04X} in a key")
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    for key, item in items:
+        hit = _lone_surrogate(item, f"{path}.{key}" if path else str(key))
+        if hit is not None:
+            return hit
+    return None
+
+
+def reject_lone_surrogates(data: Any) -> Any:
+    """A ``mode="before"`` model validator: a ValueError naming the path of the first
+    lone surrogate in a request body."""
+    hit = _lone_surrogate(data)
+    if hit is not None:
+        path, what = hit
+        raise ValueError(
+            f"{path}: a lone surrogate ({what}) is not valid Unicode; "
+            "send text as UTF-8 or escape it as a surrogate pair"
+        )
+    return data
+
+
+class _Request(_Model):
+    _unicode_only = model_validator(mode="before")(reject_lone_surrogates)
 
 
 class CacheControl(_Model):
@@ -138,23 +191,24 @@ class Metadata(_Model):
     user_id: str | None = Field(None, max_length=256)
 
 
-class MessagesRequest(_Model):
+class MessagesRequest(_Request):
     model: str = Field(min_length=1, max_length=256)
-    max_tokens: int = Field(ge=1)
+    max_tokens: StrictInt = Field(ge=1)
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
-    temperature: float | None = Field(None, ge=0.0, le=1.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)
+    # Anthropic's ranges; strict, so a boolean is not a number (an integer is).
+    temperature: StrictFloat | None = Field(None, ge=0.0, le=1.0)
+    top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(None, ge=0)
     stop_sequences: list[str] | None = Field(None, max_length=16)
-    stream: bool | None = None
+    stream: StrictBool | None = None
     metadata: Metadata | None = None
     cache_control: CacheControl | None = None
 
 
-class CountTokensRequest(_Model):
+class CountTokensRequest(_Request):
     """count_tokens takes the same body without the generation parameters."""
 
     model: str = Field(min_length=1, max_length=256)

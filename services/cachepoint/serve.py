@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import json
 import logging
+import os
+import sys
+import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings
@@ -19,23 +24,105 @@ def settings_from_flags(
 ) -> S:
     """Flags that were given override the environment; a bad value is a usage error
     naming the setting, never a traceback."""
-    given = {k: v for k, v in vars(args).items() if v is not None and k != "log_level"}
+    local = ("log_level", "log_format")
+    given = {k: v for k, v in vars(args).items() if v is not None and k not in local}
     try:
         return cls(**given)
     except ValidationError as exc:
         parser.error("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
 
 
-def serve(app_factory: Callable[[], Any], host: str, port: int, log_level: str) -> None:
+LogFormat = Literal["json", "text"]
+_TEXT = "%(asctime)s %(name)s %(message)s"
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg, the record's ``fields`` (pass
+    ``extra={"fields": {...}}``) merged in, and a traceback when there is one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, object] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            out.update(fields)
+        if record.exc_info:
+            out["traceback"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str, separators=(",", ":"))
+
+
+class TextFormatter(logging.Formatter):
+    """The plain format, with a record's ``fields`` appended as JSON."""
+
+    def __init__(self) -> None:
+        super().__init__(_TEXT)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        line = super().formatMessage(record)
+        fields = getattr(record, "fields", None)
+        return f"{line} {json.dumps(fields, default=str)}" if isinstance(fields, dict) else line
+
+
+def configure_logging(log_level: str, log_format: LogFormat = "text") -> None:
+    """Root logger to stderr in the chosen format (replaces any handler already there)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(log_level.upper())
+
+
+def serve(
+    app_factory: Callable[[], Any],
+    host: str,
+    port: int,
+    log_level: str,
+    *,
+    log_format: LogFormat = "text",
+    exit_grace_s: float = 10.0,
+) -> int:
     """Run the app with uvicorn, which turns SIGINT/SIGTERM into a graceful shutdown
-    (the app's lifespan then drains what it owns)."""
+    (the app's lifespan then drains what it owns). Returns the exit status.
+
+    The app may stop the server itself: ``serve`` puts ``request_exit(code)`` in its
+    ``state``; the server then shuts down gracefully and this returns ``code``. If
+    that takes over ``exit_grace_s`` the process ends with ``os._exit(code)``: a broken
+    process must not stay up because one connection never closes.
+    """
     import uvicorn
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    configure_logging(log_level, log_format)
     app = app_factory()
+    # NOTE: in JSON, uvicorn's own lines go through the root handler too (log_config
+    # None); in text it keeps its usual format.
+    extra: dict[str, Any] = {"log_config": None} if log_format == "json" else {}
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, **extra))
+    exit_code = 0
+
+    def request_exit(code: int) -> None:
+        nonlocal exit_code
+        exit_code = code
+        server.should_exit = True
+        timer = threading.Timer(exit_grace_s, os._exit, (code,))
+        timer.daemon = True
+        timer.start()
+
+    state = getattr(app, "state", None)
+    if state is not None:
+        state.request_exit = request_exit
     # NOTE: what is alive now (the model, the schemas, the routes) lives as long as the
     # process. Frozen, the collector stops re-scanning it: on the replica a full
     # collection otherwise stalls a request for about 0.2 s every few dozen requests.
     gc.collect()
     gc.freeze()
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    with contextlib.suppress(KeyboardInterrupt):  # as uvicorn.run does
+        server.run()
+    if not server.started and exit_code == 0:
+        sys.exit(3)  # as uvicorn.run does (its STARTUP_FAILURE): the app never came up
+    return exit_code

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +28,9 @@ import httpx
 from cachepoint.gateway.db.migrate import upgrade
 from cachepoint.gateway.db.session import make_engine, make_sessionmaker
 from cachepoint.gateway.tenants import TenantError, create_key, create_org, get_org, set_policy
+
+from .credentials import StackCredentials
+from .supervise import Backoff, ChildEvent, Supervised, Supervisor
 
 DEMO_ORG = "demo"
 
@@ -81,12 +85,47 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def _popen(
+    args: list[str], env: dict[str, str], log: Path, append: bool
+) -> subprocess.Popen[bytes]:
+    fh: IO[bytes] = open(log, "ab" if append else "wb")  # noqa: SIM115 - the child owns it
+    try:
+        # NOTE: a session of its own: a terminal's Ctrl-C reaches only `cachepoint up`,
+        # which stops the children in order, rather than all of them at once (the
+        # supervisor would otherwise see them die before it is told to stop).
+        return subprocess.Popen(
+            args,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=_die_with_parent,
+            start_new_session=True,
+        )
+    finally:
+        fh.close()
+
+
 @dataclass(slots=True)
 class Child:
     name: str  # nats, replica-0, gateway
     proc: subprocess.Popen[bytes]
     url: str  # where it answers
     log: Path  # its stdout and stderr
+    # NOTE: a restart reuses exactly what the first spawn was given (flags, port,
+    # credentials in the environment), so nothing the others know of it changes.
+    args: list[str] = field(default_factory=list)  # its command line
+    env: dict[str, str] = field(default_factory=dict)  # its whole environment
+    started_at: float = field(default_factory=time.monotonic)  # monotonic start time
+    restarts: int = 0  # times the supervisor started it again, ever
+    in_a_row: int = 0  # restarts since it last stayed up long enough (backoff step)
+    restart_at: float | None = None  # monotonic time a pending restart is due
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def returncode(self) -> int | None:
+        return self.proc.poll()
 
 
 @dataclass(slots=True)
@@ -102,7 +141,14 @@ class Stack:
     tracing: bool = True
     children: list[Child] = field(default_factory=list)
     nats_url: str = ""
+    metrics_url: str = ""  # the gateway's private /metrics listener
     keys: dict[str, str] = field(default_factory=dict)
+    credentials: StackCredentials | None = None  # generated at start (NATS users, token)
+    backoff: Backoff = field(default_factory=Backoff)  # restart delays of dead children
+    on_event: Callable[[ChildEvent], None] = lambda _: None  # told of each death/restart
+    supervisor: Supervisor | None = None  # running once start() has succeeded
+    # NOTE: held while a child is spawned again, so stop() never races a restart.
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def db_url(self) -> str:
@@ -124,12 +170,20 @@ class Stack:
             (self.state_dir / sub).mkdir(parents=True, exist_ok=True)
         try:
             progress("starting nats-server")
+            # NOTE: fresh secrets each start; NATS admits only these users, each to its
+            # own subjects (cachepoint.events.auth), and no one anonymously.
+            self.credentials = StackCredentials.generate(
+                f"replica-{i}" for i in range(self.replicas)
+            )
+            nats_conf = self.credentials.write(self.state_dir)
             nport = free_port()
             self.nats_url = f"nats://127.0.0.1:{nport}"
             self._spawn(
                 "nats",
                 [
                     binary,
+                    "-c",
+                    str(nats_conf),
                     "-a",
                     "127.0.0.1",
                     "-p",
@@ -189,10 +243,14 @@ class Stack:
                 "--log-level",
                 "warning",
             ]
-            for url in replica_urls:
-                gargs += ["--replica", url]
+            # NAME=URL: the only URL each replica may announce (the gateway's exact check).
+            for i, url in enumerate(replica_urls):
+                gargs += ["--replica", f"replica-{i}={url}"]
             if self.model_dir is not None:
                 gargs += ["--model-dir", str(self.model_dir)]
+            mport = free_port()
+            self.metrics_url = f"http://127.0.0.1:{mport}"
+            gargs += ["--metrics-port", str(mport)]
             self._spawn("gateway", gargs, self.base_url)
             for child in self.children[1:]:
                 progress(f"waiting for {child.name}")
@@ -203,10 +261,22 @@ class Stack:
             self.stop()
             raise
         self.write_endpoint()
+        self.supervise()
+
+    def supervise(self) -> None:
+        """From here on a child that dies is restarted (with backoff) and reported."""
+        self.supervisor = Supervisor(
+            lambda: list(self.children),
+            self._respawn,
+            self.state_dir / "logs" / "supervisor.log",
+            self.lock,
+            backoff=self.backoff,
+            on_event=self.on_event,
+        )
+        self.supervisor.start()
 
     def _spawn(self, name: str, args: list[str], url: str) -> None:
         log = self.state_dir / "logs" / f"{name}.log"
-        fh: IO[bytes] = open(log, "wb")  # noqa: SIM115 - the child owns it until it exits
         env = {
             **os.environ,
             "PYTHONUNBUFFERED": "1",
@@ -217,11 +287,22 @@ class Stack:
             env.setdefault(
                 "OMP_NUM_THREADS", str(replica_threads(os.cpu_count() or 1, self.replicas))
             )
-        proc = subprocess.Popen(
-            args, stdout=fh, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
-        )
-        fh.close()
-        self.children.append(Child(name, proc, url, log))
+        if self.credentials is not None:
+            # NOTE: the stack's secrets win over any the caller's shell exports.
+            for var in ("NATS_USER", "NATS_PASSWORD", "INTERNAL_TOKEN"):
+                env.pop(f"CACHEPOINT_GATEWAY_{var}", None)
+                env.pop(f"CACHEPOINT_REPLICA_{var}", None)
+            env.update(self.credentials.env_for(name))
+        proc = _popen(args, env, log, append=False)
+        self.children.append(Child(name, proc, url, log, list(args), dict(env)))
+
+    def _respawn(self, child: Supervised) -> None:
+        """The supervisor's restart: the same command line and environment."""
+        assert isinstance(child, Child)
+        child.proc = _popen(child.args, child.env, child.log, append=True)
+        # NOTE: scripts find the new pids there (and tests check for orphans by them).
+        with contextlib.suppress(OSError):
+            self.write_endpoint()
 
     def _check_alive(self, child: Child) -> None:
         if child.proc.poll() is not None:
@@ -289,6 +370,7 @@ class Stack:
             "admin_key": self.keys.get("admin_key"),
             "org": self.keys.get("org"),
             "nats_url": self.nats_url,
+            "metrics_url": self.metrics_url,
             "db_url": self.db_url,
             "replicas": [
                 {"name": c.name, "url": c.url, "pid": c.proc.pid}
@@ -301,14 +383,23 @@ class Stack:
 
     def write_endpoint(self) -> Path:
         path = self.state_dir / "endpoint.json"
-        path.write_text(json.dumps(self.endpoint(), indent=2) + "\n")
-        path.chmod(0o600)  # it holds keys
+        # NOTE: written aside and renamed: a script reading it during a restart never
+        # sees half a file. Created 0600: it holds keys.
+        tmp = path.with_suffix(".json.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(json.dumps(self.endpoint(), indent=2) + "\n")
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
         return path
 
     # ------------------------------------------------------------------ stop
 
     def stop(self, timeout: float = 15) -> None:
         """SIGTERM the gateway, then replicas, then NATS; SIGKILL what lingers."""
+        supervisor, self.supervisor = self.supervisor, None
+        if supervisor is not None:
+            supervisor.halt()  # first: nothing may be restarted behind our back
         for child in reversed(self.children):
             if child.proc.poll() is None:
                 child.proc.send_signal(signal.SIGTERM)
@@ -319,6 +410,5 @@ class Stack:
                 child.proc.kill()
                 child.proc.wait(5)
         self.children.clear()
-
-    def failed_child(self) -> Child | None:
-        return next((c for c in self.children if c.proc.poll() is not None), None)
+        if supervisor is not None:
+            supervisor.join()  # last: restarted children die with its thread

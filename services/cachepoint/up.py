@@ -12,6 +12,7 @@ import anthropic
 from rich.console import Console
 
 from .stack import Stack, StackError
+from .supervise import ChildEvent
 
 SNIPPET = """import anthropic
 client = anthropic.Anthropic(base_url="{base_url}", api_key="{api_key}")
@@ -29,7 +30,8 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
             "Start nats-server, N replicas (the tiny model on the CPU unless --model-dir) and "
             "the gateway with a SQLite ledger, all under --state-dir. Creates a demo org with "
             "an API key and an admin key, writes them to STATE_DIR/endpoint.json, and serves "
-            "until Ctrl-C, which stops every process."
+            "until Ctrl-C, which stops every process. A process that dies meanwhile is "
+            "restarted with backoff and reported (STATE_DIR/logs/supervisor.log)."
         ),
     )
     up.add_argument("--replicas", type=int, default=2, help="replicas to start (default 2)")
@@ -61,6 +63,13 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     )
 
 
+def report_child(console: Console, ev: ChildEvent) -> None:
+    """One console line per death and per restart (the JSON line is in supervisor.log)."""
+    colour = "yellow" if ev.event == "exited" else "green"
+    stamp = time.strftime("%H:%M:%S", time.localtime(ev.at))
+    console.print(f"[{colour}]{stamp} {ev.describe()}[/{colour}]")
+
+
 def run_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.replicas < 1:
         parser.error("--replicas must be at least 1")
@@ -73,6 +82,7 @@ def run_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         model_dir=args.model_dir,
         kv_budget=args.kv_budget,
         min_cacheable_tokens=args.min_cacheable_tokens,
+        on_event=lambda ev: report_child(console, ev),
     )
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
@@ -116,13 +126,9 @@ def run_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             if args.exit_after_demo:
                 return 0
         console.print("Serving; press Ctrl-C to stop.")
+        # NOTE: a child that dies (replica, NATS or the gateway) is restarted by the
+        # stack's supervisor and reported through report_child; nothing here is fatal.
         while True:
-            failed = stack.failed_child()
-            if failed is not None:
-                console.print(
-                    f"[red]{failed.name} exited ({failed.proc.returncode}); see {failed.log}[/red]"
-                )
-                return 1
             time.sleep(0.5)
     except KeyboardInterrupt:
         console.print("stopping…")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,8 +27,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError("temperature must be finite and >= 0")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
@@ -50,6 +51,12 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return gen
 
 
+# NOTE: below this a temperature only magnifies rounding noise between the top logits:
+# the choice is the argmax in all but name, and dividing by it overflows float32
+# (1e-300 is 0.0 there, so x / t gives inf and NaN). Such rows take the argmax.
+MIN_TEMPERATURE = 1e-5
+
+
 def _filter_top_k_top_p(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Zero out everything outside the top-k / nucleus of a ``[vocab]`` distribution."""
     sorted_probs, order = probs.sort(descending=True)
@@ -58,12 +65,54 @@ def _filter_top_k_top_p(probs: torch.Tensor, top_k: int, top_p: float) -> torch.
         keep[top_k:] = False
     if top_p < 1.0:
         # NOTE: keep a token while the mass *before* it is under top_p, so the token
-        # that crosses the threshold is kept and the set is never empty.
+        # that crosses the threshold is kept.
         before = sorted_probs.cumsum(0) - sorted_probs
         keep &= before < top_p
+    # NOTE: the likeliest token always stays: a top_p below float32's smallest value
+    # (1e-50 rounds to 0.0, and 0.0 < 0.0 is false) would otherwise keep nothing.
+    keep[0] = True
     filtered = torch.zeros_like(probs)
     filtered[order[keep]] = sorted_probs[keep]
     return filtered
+
+
+def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    """One token from one ``[vocab]`` row of logits with no NaN (they are -inf by now)."""
+    x = row.to(torch.float32)
+    top = x.max()
+    if p.temperature < MIN_TEMPERATURE or not bool(torch.isfinite(top)):
+        # +inf is a certain choice (and inf - inf is NaN); all -inf has no distribution.
+        return int(x.argmax())
+    # NOTE: shifted by the max, the largest term is exp(0) = 1, so the softmax can neither
+    # overflow nor sum to zero, whatever the temperature and the logits' dtype.
+    probs = torch.softmax((x - top) / p.temperature, dim=-1)
+    if p.top_k > 0 or p.top_p < 1.0:
+        probs = _filter_top_k_top_p(probs, p.top_k, p.top_p)
+    return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def sample_each(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> list[int | Exception]:
+    """One token per row of ``[batch, vocab]`` float logits, or the exception that row
+    raised: one row's failure never costs its batch neighbours their token.
+
+    Greedy rows are one batched argmax; sampled rows go one by one, because each has
+    its own generator (a seeded sequence must not depend on its batch neighbours).
+    """
+    # NOTE: torch.argmax ranks NaN above everything; a NaN logit is no evidence at all.
+    clean = logits.masked_fill(logits.isnan(), float("-inf"))
+    out: list[int | Exception] = [int(t) for t in clean.argmax(dim=-1).tolist()]
+    for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
+        if p.greedy:
+            continue
+        try:
+            out[row] = _sample_row(clean[row], p, gen)
+        except Exception as exc:  # a bad generator, a device error: this row only
+            out[row] = exc
+    return out
 
 
 def sample(
@@ -71,20 +120,13 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
 ) -> list[int]:
-    """One token per row of ``[batch, vocab]`` float logits.
-
-    Greedy rows are one batched argmax; sampled rows go one by one, because each has
-    its own generator (a seeded sequence must not depend on its batch neighbours).
-    """
-    out = logits.argmax(dim=-1).tolist()
-    for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
-        if p.greedy:
-            continue
-        probs = torch.softmax(logits[row].to(torch.float32) / p.temperature, dim=-1)
-        if p.top_k > 0 or p.top_p < 1.0:
-            probs = _filter_top_k_top_p(probs, p.top_k, p.top_p)
-        out[row] = int(torch.multinomial(probs, 1, generator=gen).item())
-    return [int(t) for t in out]
+    """Like :func:`sample_each`, but raises the first row's exception."""
+    tokens: list[int] = []
+    for token in sample_each(logits, params, generators):
+        if isinstance(token, Exception):
+            raise token
+        tokens.append(token)
+    return tokens
 
 
 class StopChecker:

@@ -16,7 +16,20 @@ from nats.aio.client import Client
 log = logging.getLogger(__name__)
 
 
-async def connect_forever(url: str, name: str, retry_s: float = 1.0, **callbacks: Any) -> Client:
+async def connect_forever(
+    url: str,
+    name: str,
+    retry_s: float = 1.0,
+    *,
+    user: str | None = None,
+    password: str | None = None,
+    **callbacks: Any,
+) -> Client:
+    """Connect as ``user`` when credentials are given (the server then applies that
+    user's subject permissions), anonymously otherwise."""
+    creds: dict[str, str] = {}
+    if user is not None and password is not None:
+        creds = {"user": user, "password": password}
     while True:
         try:
             return await nats.connect(
@@ -25,6 +38,7 @@ async def connect_forever(url: str, name: str, retry_s: float = 1.0, **callbacks
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
                 connect_timeout=2,
+                **creds,
                 **callbacks,
             )
         except Exception as exc:

@@ -6,7 +6,11 @@ import re
 
 KV_PREFIX = "cachepoint.kv"
 KV_ALL = f"{KV_PREFIX}.*"  # one token after the prefix: never matches snapshot subjects
+SNAPSHOT_ALL = f"{KV_PREFIX}.snapshot.*"
+# NOTE: one heartbeat subject per replica, so a NATS permission can bind a replica's
+# credentials to the only name it may announce.
 HEARTBEAT = "cachepoint.replica.heartbeat"
+HEARTBEAT_ALL = f"{HEARTBEAT}.*"
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -26,3 +30,12 @@ def kv_subject(replica: str) -> str:
 
 def snapshot_subject(replica: str) -> str:
     return f"{KV_PREFIX}.snapshot.{replica}"
+
+
+def heartbeat_subject(replica: str) -> str:
+    return f"{HEARTBEAT}.{replica}"
+
+
+def subject_replica(subject: str) -> str:
+    """The replica a kv or heartbeat subject belongs to: its last token."""
+    return subject.rsplit(".", 1)[-1]

@@ -39,7 +39,7 @@ from .hashing import (
 from .manager import MAX_LOOKBACK, CacheStats, EntryHit, EntryWrite, KVCacheManager, PrefixMatch
 from .pool import BlockCounts, BlockPool, PoolExhaustedError
 from .prefix_index import PrefixIndex
-from .retention import TTL_1H, TTL_5M, TTL_SECONDS, RetainResult
+from .retention import TTL_1H, TTL_5M, TTL_SECONDS, UNATTRIBUTED, RetainResult, RetentionOwner
 
 __all__ = [
     "DEFAULT_EVICTION",
@@ -49,6 +49,7 @@ __all__ = [
     "TTL_1H",
     "TTL_5M",
     "TTL_SECONDS",
+    "UNATTRIBUTED",
     "AllBlocksCleared",
     "Allocation",
     "AllocationError",
@@ -82,6 +83,7 @@ __all__ = [
     "PrefixMatch",
     "PriorityFreeQueue",
     "RetainResult",
+    "RetentionOwner",
     "ReuseCreditEviction",
     "ReuseCreditQueue",
     "ReuseHistogram",

@@ -20,6 +20,7 @@ class KVBlock:
     ref_cnt: int = 0  # running requests holding this block
     block_hash: BlockHash | None = None  # set only while the block is in the hash index
     retained_until: float = 0.0  # TTL retention deadline (clock seconds); 0.0 = not retained
+    retained_by: str | None = None  # owner key charged for the retention; None = not retained
     hits: int = 0  # prefix hits since the block was last filled; eviction strategies read it
     # Intrusive links of the free queue; None while the block is not in it.
     prev_free: KVBlock | None = field(default=None, repr=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .hashing import BlockHash, EntryKey
-from .retention import DeadlineHeap
+from .retention import DeadlineHeap, RetentionOwner
 
 
 @dataclass(slots=True, eq=False)
@@ -17,6 +17,7 @@ class CacheEntry:
     block_hashes: tuple[BlockHash, ...]  # the full blocks under it, in chain order
     ttl: float  # seconds; each hit moves expires_at to now + ttl
     expires_at: float  # clock seconds
+    owner: RetentionOwner | None = None  # tenant its blocks' retention is charged to
 
 
 class EntryTable:

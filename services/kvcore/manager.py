@@ -15,6 +15,7 @@ from .entries import CacheEntry, EntryTable
 from .events import KVEvent
 from .hashing import BlockHash, EntryKey
 from .pool import BlockCounts, BlockPool, PoolExhaustedError
+from .retention import RetentionOwner
 
 MAX_LOOKBACK = 20
 """Content-block boundaries a breakpoint checks backwards, itself included."""
@@ -59,7 +60,8 @@ class CacheStats:
     query_tokens: int  # prompt tokens looked up, ever
     hit_tokens: int  # of those, served from cached blocks
     evictions: int  # cached blocks evicted by LRU pressure
-    retain_refusals: int  # retains refused by the share cap
+    retain_refusals: int  # retains refused by the share cap or an owner's quota
+    quota_refusals: int  # of those, refused by the owner's quota
 
 
 class KVCacheManager:
@@ -129,7 +131,10 @@ class KVCacheManager:
             if blocks is None:
                 self.entries.drop(entry)  # its blocks were cleared under it
                 continue
-            self.pool.retain(blocks, entry.ttl)
+            # NOTE: a live entry's blocks are retained at least as long as it lives, so
+            # this only moves deadlines; it charges nothing new (blocks stay charged to
+            # whoever retained them first, here or through another entry).
+            self.pool.retain(blocks, entry.ttl, entry.owner)
             self.entries.extend(entry, now + entry.ttl)
             return EntryHit(entry.key, entry.num_tokens, entry.ttl, entry.expires_at, lookback)
         return None
@@ -140,11 +145,13 @@ class KVCacheManager:
         num_tokens: int,
         block_hashes: Sequence[BlockHash],
         ttl: float,
+        owner: RetentionOwner | None = None,
     ) -> EntryWrite:
         """Write (or extend) the entry for a breakpoint and retain its full blocks.
 
         ``block_hashes`` are the prompt's chain hashes; the entry covers the first
-        ``num_tokens // block_size`` of them, which must be published already.
+        ``num_tokens // block_size`` of them, which must be published already. Blocks
+        not retained yet are charged to ``owner`` (refused past its quota).
         """
         full = num_tokens // self.block_size
         if full > len(block_hashes):
@@ -153,13 +160,16 @@ class KVCacheManager:
         blocks = self._resident(covered)
         if blocks is None:
             return EntryWrite(False, num_tokens, ttl, None, "prefix blocks are not resident")
-        result = self.pool.retain(blocks, ttl)
-        if not result.ok:
-            return EntryWrite(False, num_tokens, ttl, None, result.reason)
         now = self.pool.clock()
         entry = self.entries.get_live(key, now)
+        # NOTE: an entry keeps its longest TTL, so its blocks must be retained that long
+        # too: a live entry over unretained blocks could lose them to LRU.
+        keep = ttl if entry is None else max(ttl, entry.ttl)
+        result = self.pool.retain(blocks, keep, owner)
+        if not result.ok:
+            return EntryWrite(False, num_tokens, ttl, None, result.reason)
         if entry is None:
-            entry = CacheEntry(key, num_tokens, covered, ttl, now + ttl)
+            entry = CacheEntry(key, num_tokens, covered, ttl, now + ttl, owner)
             self.entries.put(entry)
         else:
             entry.ttl = max(entry.ttl, ttl)
@@ -194,4 +204,5 @@ class KVCacheManager:
             hit_tokens=self.hit_tokens,
             evictions=self.pool.num_evictions,
             retain_refusals=self.pool.num_retain_refusals,
+            quota_refusals=self.pool.num_quota_refusals,
         )

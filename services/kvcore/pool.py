@@ -15,7 +15,7 @@ from .clock import Clock, monotonic_clock
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from .eviction import EvictionPolicy, FreeQueue, LRUEviction
 from .hashing import BlockHash
-from .retention import DeadlineHeap, RetainResult
+from .retention import UNATTRIBUTED, DeadlineHeap, RetainResult, RetentionOwner
 
 
 class PoolExhaustedError(RuntimeError):
@@ -32,6 +32,7 @@ class BlockCounts:
     empty: int  # ref_cnt == 0, not in the index
     retained: int  # TTL-retained right now, whether active or cached-free (overlaps the above)
     max_retained: int  # cap on `retained` from the configured share
+    retained_owners: int = 0  # owners holding at least one retained block
 
 
 class BlockPool:
@@ -42,7 +43,9 @@ class BlockPool:
       - an empty block is always in the free queue;
       - a cached-free block is in the free queue iff it is not retained ("parked"
         otherwise), so LRU eviction can never take a retained block;
-      - ``cached[h].block_hash == h`` for every indexed hash.
+      - ``cached[h].block_hash == h`` for every indexed hash;
+      - every retained block is charged to exactly one owner, so the per-owner counts
+        sum to the retained count.
     """
 
     def __init__(
@@ -51,6 +54,7 @@ class BlockPool:
         block_size: int,
         *,
         retained_share: float = 0.5,
+        owner_share: float = 1.0,
         clock: Clock = monotonic_clock,
         eviction: EvictionPolicy | None = None,
     ) -> None:
@@ -58,6 +62,8 @@ class BlockPool:
             raise ValueError("num_blocks and block_size must be positive")
         if not 0.0 <= retained_share <= 1.0:
             raise ValueError("retained_share must be within [0, 1]")
+        if not 0.0 <= owner_share <= 1.0:
+            raise ValueError("owner_share must be within [0, 1]")
         self.block_size = block_size
         self.clock = clock
         self.blocks = [KVBlock(block_id=i) for i in range(num_blocks)]
@@ -65,13 +71,16 @@ class BlockPool:
         self.free_queue: FreeQueue = self.eviction.make_queue(self.blocks, clock)
         self.cached: dict[BlockHash, KVBlock] = {}  # the hash index
         self.max_retained = int(retained_share * num_blocks)
+        self.owner_share = owner_share  # default share of max_retained one owner may hold
         self.num_evictions = 0  # cached blocks evicted by LRU pressure, ever
-        self.num_retain_refusals = 0  # retain calls refused by the share cap, ever
+        self.num_retain_refusals = 0  # retain calls refused (share cap or owner quota), ever
+        self.num_quota_refusals = 0  # of those, refused by the owner's quota
         self._events: list[KVEvent] = []
         self._retain_deadlines: DeadlineHeap[KVBlock] = DeadlineHeap()
         self._num_active = 0
         self._num_cached_free = 0
         self._num_retained = 0
+        self._owned: dict[str, int] = {}  # owner key -> retained blocks charged to it (> 0)
 
     # ---------------------------------------------------------------- lookup
 
@@ -203,11 +212,31 @@ class BlockPool:
 
     # -------------------------------------------------------------- retention
 
-    def retain(self, blocks: Sequence[KVBlock], ttl: float) -> RetainResult:
+    def owner_quota(self, owner: RetentionOwner) -> int:
+        """Retained blocks ``owner`` may hold: its share (or the pool's) of the cap, floored."""
+        share = self.owner_share if owner.share is None else owner.share
+        # NOTE: the epsilon keeps e.g. 0.57 * 100 at 57, not 56.99999 -> 56.
+        return int(share * self.max_retained + 1e-9)
+
+    def retained_by(self, owner_key: str) -> int:
+        """Retained blocks charged to ``owner_key`` right now."""
+        self.expire()
+        return self._owned.get(owner_key, 0)
+
+    def retained_owners(self) -> dict[str, int]:
+        """Retained blocks per owner key (owners holding none are absent)."""
+        self.expire()
+        return dict(self._owned)
+
+    def retain(
+        self, blocks: Sequence[KVBlock], ttl: float, owner: RetentionOwner | None = None
+    ) -> RetainResult:
         """Retain indexed blocks until ``now + ttl``; never shortens a longer retention.
 
-        All or nothing: a retain that would push the retained count past the cap is
-        refused whole and changes nothing.
+        All or nothing: a retain that would push the retained count past the cap, or
+        push ``owner`` past its quota, is refused whole and changes nothing. Only blocks
+        not yet retained count against either; they are charged to ``owner`` until
+        they expire. A block someone else already retains stays charged to them.
         """
         if ttl <= 0:
             raise ValueError("ttl must be positive")
@@ -220,6 +249,20 @@ class BlockPool:
                 raise ValueError(f"block {block.block_id} is not indexed; it cannot be retained")
             if block.retained_until == 0.0:
                 fresh[block.block_id] = block
+        owner = owner or UNATTRIBUTED
+        held = self._owned.get(owner.key, 0)
+        quota = self.owner_quota(owner)
+        # NOTE: a quota equal to the cap is no per-owner limit; the cap check below
+        # then gives the truer reason. An owner at its quota never reclaims its own
+        # older retentions: a TTL already sold is a guarantee, so the new one is refused.
+        if fresh and quota < self.max_retained and held + len(fresh) > quota:
+            self.num_retain_refusals += 1
+            self.num_quota_refusals += 1
+            return RetainResult.refused(
+                f"tenant retention quota: {held} of {quota} blocks retained, "
+                f"{len(fresh)} more requested",
+                deadline,
+            )
         if self._num_retained + len(fresh) > self.max_retained:
             self.num_retain_refusals += 1
             return RetainResult.refused(
@@ -235,6 +278,10 @@ class BlockPool:
             self._retain_deadlines.push(deadline, block)
             if block.prev_free is not None:
                 queue.remove(block)  # parked: out of LRU reach until it expires
+        for block in fresh.values():
+            block.retained_by = owner.key
+        if fresh:
+            self._owned[owner.key] = held + len(fresh)
         self._num_retained += len(fresh)
         return RetainResult(ok=True, newly_retained=len(fresh), retained_until=deadline)
 
@@ -248,6 +295,7 @@ class BlockPool:
             if block.retained_until != deadline:
                 continue  # stale: refreshed to a later deadline since, or cleared
             block.retained_until = 0.0
+            self._uncharge(block)
             released += 1
             if block.ref_cnt == 0 and block.block_hash is not None and block.prev_free is None:
                 # NOTE: its last use was at least a TTL ago, older than anything the
@@ -255,6 +303,17 @@ class BlockPool:
                 queue.appendleft(block)
         self._num_retained -= released
         return released
+
+    def _uncharge(self, block: KVBlock) -> None:
+        key = block.retained_by
+        if key is None:
+            raise AssertionError(f"retained block {block.block_id} is charged to no owner")
+        block.retained_by = None
+        left = self._owned[key] - 1
+        if left:
+            self._owned[key] = left
+        else:
+            del self._owned[key]  # NOTE: tenants come and go; keep only current holders
 
     # ------------------------------------------------------------------ reset
 
@@ -276,7 +335,9 @@ class BlockPool:
                 queue.appendleft(block)
         for block in self.blocks:
             block.retained_until = 0.0
+            block.retained_by = None
         self.cached.clear()
+        self._owned.clear()
         self._retain_deadlines.clear()
         self._num_cached_free = 0
         self._num_retained = 0
@@ -298,6 +359,7 @@ class BlockPool:
             empty=self.num_blocks - self._num_active - self._num_cached_free,
             retained=self._num_retained,
             max_retained=self.max_retained,
+            retained_owners=len(self._owned),
         )
 
     def check_invariants(self) -> None:
@@ -308,11 +370,16 @@ class BlockPool:
         in_queue = {b.block_id for b in self.free_queue}
         assert len(in_queue) == len(self.free_queue), "free queue length drifted"
         active = cached_free = retained = 0
+        owned: dict[str, int] = {}
         for block in self.blocks:
             assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
             queued = block.block_id in in_queue
             if block.retained_until > 0.0:
                 retained += 1
+                assert block.retained_by is not None, f"block {block.block_id} has no owner"
+                owned[block.retained_by] = owned.get(block.retained_by, 0) + 1
+            else:
+                assert block.retained_by is None, f"block {block.block_id} charged, not retained"
             if block.ref_cnt > 0:
                 active += 1
                 assert not queued, f"active block {block.block_id} is in the free queue"
@@ -329,3 +396,5 @@ class BlockPool:
         assert cached_free == self._num_cached_free, "cached-free counter drifted"
         assert retained == self._num_retained, "retained counter drifted"
         assert retained <= self.max_retained, "retained share cap exceeded"
+        assert owned == self._owned, f"per-owner counts drifted: {self._owned} != {owned}"
+        assert sum(self._owned.values()) == self._num_retained

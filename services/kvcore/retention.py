@@ -49,6 +49,26 @@ class DeadlineHeap(Generic[T]):
 
 
 @dataclass(frozen=True, slots=True)
+class RetentionOwner:
+    """The tenant a retention is charged to, and the share of the retained budget it may hold.
+
+    A block is charged to one owner at a time (the one whose retain made it retained),
+    so per-owner counts always sum to the pool's retained count.
+    """
+
+    key: str  # tenant key, e.g. "org:<id>"; retained blocks are counted per key
+    share: float | None = None  # of the pool's retained budget; None = the pool's owner_share
+
+    def __post_init__(self) -> None:
+        if self.share is not None and not 0.0 <= self.share <= 1.0:
+            raise ValueError("an owner's retained share must be within [0, 1]")
+
+
+UNATTRIBUTED = RetentionOwner("-")
+"""Owner of retains that name none (old callers, tools): one tenant, the default share."""
+
+
+@dataclass(frozen=True, slots=True)
 class RetainResult:
     """Outcome of asking the pool to retain blocks."""
 

@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 from cachepoint.kvcore import (
     MAX_LOOKBACK,
     TTL_SECONDS,
+    UNATTRIBUTED,
     BlockHash,
     ExtraKeys,
     KeySpan,
     KVCacheManager,
+    RetentionOwner,
     entry_key_at,
     hash_blocks,
 )
@@ -31,6 +33,7 @@ class Breakpoint:
     ttl_label: str  # "5m" | "1h"
     extra_keys: ExtraKeys  # keys its entry is hashed under
     boundaries: tuple[int, ...] = ()  # earlier content-block ends, nearest first
+    owner: RetentionOwner = UNATTRIBUTED  # tenant its entry's retention is charged to
 
     @property
     def ttl_s(self) -> float:
@@ -49,6 +52,15 @@ class CachePlan:
     # Filled after the prefill succeeded:
     written: list[tuple[int, str]] = field(default_factory=list)  # (position, ttl) written
     refusal_reason: str | None = None  # first retention refusal, if any
+
+
+def retention_owner(key: str | None, share: float | None) -> RetentionOwner:
+    """The tenant a request's entries are charged to (docs/kvcore.md, Retention).
+
+    NOTE: requests that name no owner share one, so an old gateway or a direct caller
+    is held to a single tenant's quota rather than bypassing every quota.
+    """
+    return RetentionOwner(key or UNATTRIBUTED.key, share)
 
 
 def key_schedule(spans: Sequence[tuple[int, Sequence[str]]]) -> list[KeySpan]:
@@ -104,7 +116,7 @@ def write_entries(manager: KVCacheManager, cp: CachePlan) -> None:
         key = entry_key_at(
             cp.tokens, bp.position, cp.block_hashes, manager.block_size, bp.extra_keys
         )
-        result = manager.write_entry(key, bp.position, cp.block_hashes, bp.ttl_s)
+        result = manager.write_entry(key, bp.position, cp.block_hashes, bp.ttl_s, bp.owner)
         if result.written:
             cp.written.append((bp.position, bp.ttl_label))
         elif cp.refusal_reason is None:

@@ -20,7 +20,7 @@ from opentelemetry.trace import SpanKind
 
 from cachepoint.events import schema
 from cachepoint.events.connect import connect_forever
-from cachepoint.events.subjects import HEARTBEAT, kv_subject, snapshot_subject
+from cachepoint.events.subjects import heartbeat_subject, kv_subject, snapshot_subject
 from cachepoint.kvcore import KVEvent
 
 from .scheduler import Scheduler
@@ -72,14 +72,27 @@ class NatsBus:
                 await self.nc.drain()
 
     async def _connect(self) -> None:
+        # NOTE: with credentials the server lets this user publish only its own kv and
+        # heartbeat subjects (cachepoint.events.auth), so it cannot speak for another.
+        st = self.scheduler.settings
+        password = st.nats_password.get_secret_value() if st.nats_password else None
         nc = await connect_forever(
-            self.nats_url, f"replica-{self.scheduler.name}", error_cb=self._on_error
+            self.nats_url,
+            f"replica-{self.scheduler.name}",
+            user=st.nats_user,
+            password=password,
+            error_cb=self._on_error,
         )
         await nc.subscribe(snapshot_subject(self.scheduler.name), cb=self._on_snapshot)
         self.nc = nc
 
     async def _on_error(self, exc: Exception) -> None:
-        log.debug("NATS error: %s", exc)
+        # NOTE: reconnect attempts land here too (debug); a permissions violation means
+        # this replica's credentials do not match its name, which an operator must see.
+        if "permissions violation" in str(exc).lower():
+            log.warning("NATS refused: %s", exc)
+        else:
+            log.debug("NATS error: %s", exc)
 
     # ---------------------------------------------------------------- events
 
@@ -173,7 +186,10 @@ class NatsBus:
     async def _heartbeats(self) -> None:
         while True:
             nc = self.nc
-            if nc is not None and nc.is_connected:
+            # NOTE: a replica whose scheduler loop died must drop out of routing: no
+            # heartbeat from it, however healthy its NATS connection (issue 12).
+            if nc is not None and nc.is_connected and self.scheduler.alive:
                 with contextlib.suppress(Exception):
-                    await nc.publish(HEARTBEAT, schema.encode(self.heartbeat()))
+                    subject = heartbeat_subject(self.scheduler.name)
+                    await nc.publish(subject, schema.encode(self.heartbeat()))
             await asyncio.sleep(self.interval)

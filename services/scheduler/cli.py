@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -57,8 +58,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, help="longest sequence in tokens")
     p.add_argument("--max-waiting", type=int, help="queued requests before 429 (default 256)")
     p.add_argument("--nats-url", help="NATS for kv events and heartbeats (default: none)")
+    p.add_argument(
+        "--nats-user",
+        help="NATS user; its password comes only from CACHEPOINT_NATS_PASSWORD (not a flag)",
+    )
     p.add_argument("--advertise-url", help="URL the gateway should call (default http://HOST:PORT)")
     p.add_argument("--log-level", default="info", help="debug | info | warning (default info)")
+    p.add_argument(
+        "--log-format",
+        choices=["json", "text"],
+        default="json",
+        help="stderr log lines: json (one object per line, default) or text",
+    )
     return p
 
 
@@ -70,9 +81,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--model-dir {settings.model_dir} has no config.json")
 
     from .api.app import create_app
+    from .requestlog import LOGGER
 
-    serve(lambda: create_app(settings), settings.host, settings.port, args.log_level)
-    return 0
+    # NOTE: request and lifecycle lines are the replica's record (docs/replica.md): they
+    # are written at --log-level warning too, as the embedded stack runs replicas.
+    if logging.getLevelName(args.log_level.upper()) != logging.DEBUG:
+        logging.getLogger(LOGGER).setLevel(logging.INFO)
+    # A scheduler loop that died makes serve() return non-zero (watchdog.py).
+    return serve(
+        lambda: create_app(settings),
+        settings.host,
+        settings.port,
+        args.log_level,
+        log_format=args.log_format,
+    )
 
 
 if __name__ == "__main__":

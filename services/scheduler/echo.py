@@ -1,6 +1,6 @@
 """An instant replica with no model: for measuring the gateway alone, and for tests.
 
-It speaks the replica API (/v1/generate, streaming too, /v1/stats, /healthz) and
+It speaks the replica API (/v1/generate, streaming too, /v1/stats, /healthz, /readyz) and
 answers at once, reporting the whole prompt as computed and every breakpoint as a
 5m write. ``fail_with`` makes every generate answer that HTTP status instead.
 """
@@ -88,7 +88,9 @@ def create_echo_app(
             "max_waiting": 1_000_000,
         }
 
+    # NOTE: the gateway polls /readyz and takes a replica that fails it out of routing.
     @app.get("/healthz")
+    @app.get("/readyz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 

@@ -43,3 +43,19 @@ class CancelledRequestError(SchedulerError):
 
     kind = "cancelled"
     status = 499
+
+
+class RequestFailedError(SchedulerError):
+    """Something raised while the replica worked on this request alone (sampling, its
+    commit, decoding its text): it fails, its blocks go back, the others go on."""
+
+    kind = "api_error"
+    status = 500
+
+
+class ReplicaFailedError(SchedulerError):
+    """The scheduler loop itself died: every request still on the replica fails, and the
+    process exits so that it is restarted."""
+
+    kind = "api_error"
+    status = 500

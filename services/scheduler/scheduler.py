@@ -31,9 +31,8 @@ from cachepoint.engine import (
     SamplingParams,
     StepOutput,
     StopChecker,
-    sample,
 )
-from cachepoint.engine.sampling import make_generator
+from cachepoint.engine.sampling import make_generator, sample_each
 from cachepoint.kvcore import (
     EVICTION_POLICIES,
     BlockPool,
@@ -51,6 +50,8 @@ from .errors import (
     InvalidRequestError,
     OverloadedError,
     QueueFullError,
+    ReplicaFailedError,
+    RequestFailedError,
 )
 from .schemas import CacheReport, GenerateRequest, GenerateResponse, Timings
 from .sequence import PrefillDone, SeqStatus, SequenceState, TokenEvent
@@ -92,6 +93,7 @@ class StepBatch:
 
 
 FinishHook = Callable[[SequenceState], None]
+DeathHook = Callable[[BaseException], None]
 
 
 class Scheduler:
@@ -116,6 +118,7 @@ class Scheduler:
             engine.num_blocks,
             engine.block_size,
             retained_share=settings.retained_share,
+            owner_share=settings.org_retained_share,
             clock=clock,
             eviction=EVICTION_POLICIES[settings.eviction](),
         )
@@ -133,6 +136,11 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self.failure: BaseException | None = None  # what killed the loop, if it died
+        self.on_death: DeathHook | None = None  # called once, after the loop died
+        # Test hook: called with each non-empty batch outside every per-request guard, so
+        # raising in it kills the loop (see watchdog.py).
+        self.fault_hook: Callable[[StepBatch], None] | None = None
         self.tracer: trace.Tracer = trace.NoOpTracer()  # set by the app when tracing is on
 
     # ------------------------------------------------------------ lifecycle
@@ -162,7 +170,8 @@ class Scheduler:
     def submit(self, req: GenerateRequest) -> SequenceState:
         """Validate and queue a request. Raises InvalidRequestError or QueueFullError."""
         if self._stopping:
-            raise OverloadedError("replica is shutting down")
+            why = " (scheduler loop stopped)" if self.failure is not None else ""
+            raise OverloadedError(f"replica {self.name} is shutting down{why}")
         n = len(req.token_ids)
         vocab = self.engine.vocab_size
         bad = next((i for i, t in enumerate(req.token_ids) if not 0 <= t < vocab), None)
@@ -199,6 +208,7 @@ class Scheduler:
             raise InvalidRequestError(str(exc)) from exc
         spans = [(s.start_block, list(s.extra_keys)) for s in req.key_spans]
         schedule = admission.key_schedule(spans)
+        owner = admission.retention_owner(req.retention_owner, req.owner_retained_share)
         bps = [
             admission.Breakpoint(
                 position=bp.position,
@@ -207,6 +217,7 @@ class Scheduler:
                 if bp.extra_keys is not None
                 else admission.keys_at_block(schedule, (bp.position - 1) // self.block_size),
                 boundaries=tuple(bp.boundaries),
+                owner=owner,
             )
             for bp in req.breakpoints
         ]
@@ -237,10 +248,47 @@ class Scheduler:
     # ------------------------------------------------------------------ loop
 
     async def _loop(self) -> None:
+        try:
+            await self._run()
+        except Exception as exc:
+            # NOTE: not re-raised: the task ends either way (``alive`` turns False), and
+            # an exception left in it would resurface in stop() during shutdown.
+            self._die(exc)
+
+    def _die(self, exc: Exception) -> None:
+        """The loop is gone: fail every request here at once, and say so."""
+        self.failure = exc
+        self._stopping = True
+        pending = [*self.waiting, *self.running]
+        log.critical(
+            "scheduler loop died; failing %d requests",
+            len(pending),
+            exc_info=exc,
+            extra={"fields": {"event": "loop_died", "replica": self.name, "epoch": self.epoch}},
+        )
+        err = ReplicaFailedError(
+            f"replica {self.name} failed: scheduler loop stopped ({type(exc).__name__}: {exc})"
+        )
+        for seq in pending:
+            try:
+                self._finish(seq, error=err)
+            except Exception:
+                log.exception("could not fail request %s", seq.request_id)
+        with contextlib.suppress(Exception):
+            self.flush_events()
+        if self.on_death is not None:
+            try:
+                self.on_death(exc)
+            except Exception:
+                log.exception("on_death hook failed")
+
+    async def _run(self) -> None:
         while not self._stopping:
             self._reap_cancelled()
             self._admit()
             batch = self._schedule()
+            if self.fault_hook is not None and not batch.empty:
+                self.fault_hook(batch)
             if batch.empty:
                 self.flush_events()
                 self._wake.clear()
@@ -258,8 +306,24 @@ class Scheduler:
                     self._finish(seq, error=EngineFailedError(f"forward pass failed: {exc}"))
             else:
                 self.steps += 1
-                self._advance(batch, out)
+                try:
+                    self._advance(batch, out)
+                except Exception as exc:  # not one sequence's: the step's output itself
+                    for seq in batch.seqs:
+                        self._fail(seq, exc)
             self.flush_events()
+
+    def _fail(self, seq: SequenceState, exc: Exception) -> None:
+        """Something raised while handling ``seq``: it fails alone, the loop goes on."""
+        if seq.status is SeqStatus.FINISHED:
+            return
+        log.error("request %s failed inside the replica", seq.request_id, exc_info=exc)
+        self._finish(
+            seq,
+            error=RequestFailedError(
+                f"request failed inside replica {self.name}: {type(exc).__name__}: {exc}"
+            ),
+        )
 
     def _reap_cancelled(self) -> None:
         for seq in [s for s in (*self.waiting, *self.running) if s.cancelled]:
@@ -274,30 +338,39 @@ class Scheduler:
         """
         while self.waiting and len(self.running) < self.settings.max_num_seqs:
             seq = self.waiting[0]
-            schedule = admission.key_schedule(seq.key_spans)
-            cp = admission.plan(self.manager, seq.prompt, schedule, seq.breakpoints)
-            n = seq.prompt_len
             try:
-                alloc = self.manager.allocate(cp.block_hashes, n)
-                try:
-                    alloc.grow(n + seq.params.max_tokens)
-                except PoolExhaustedError:
-                    alloc.abort()
-                    raise
-            except PoolExhaustedError as exc:
-                if not self.running:
-                    # Nothing will free blocks: what is held is retained by TTL.
-                    self.waiting.popleft()
-                    self._finish(seq, error=OverloadedError(f"KV pool is full: {exc}"))
-                    continue
-                return
-            self.waiting.popleft()
-            seq.plan, seq.alloc = cp, alloc
-            seq.num_computed = alloc.num_cached_tokens
-            seq.status = SeqStatus.PREFILLING
-            seq.t_admit = time.perf_counter()
-            self.running.append(seq)
-            self._trace_admission(seq)
+                if not self._admit_one(seq):
+                    return
+            except Exception as exc:  # a plan or trace that raised: this request only
+                self._fail(seq, exc)
+
+    def _admit_one(self, seq: SequenceState) -> bool:
+        """Admit the head of the queue (or fail it); False when it must wait for blocks."""
+        schedule = admission.key_schedule(seq.key_spans)
+        cp = admission.plan(self.manager, seq.prompt, schedule, seq.breakpoints)
+        n = seq.prompt_len
+        try:
+            alloc = self.manager.allocate(cp.block_hashes, n)
+            try:
+                alloc.grow(n + seq.params.max_tokens)
+            except PoolExhaustedError:
+                alloc.abort()
+                raise
+        except PoolExhaustedError as exc:
+            if not self.running:
+                # Nothing will free blocks: what is held is retained by TTL.
+                self.waiting.popleft()
+                self._finish(seq, error=OverloadedError(f"KV pool is full: {exc}"))
+                return True
+            return False
+        self.waiting.popleft()
+        seq.plan, seq.alloc = cp, alloc
+        seq.num_computed = alloc.num_cached_tokens
+        seq.status = SeqStatus.PREFILLING
+        seq.t_admit = time.perf_counter()
+        self.running.append(seq)
+        self._trace_admission(seq)
+        return True
 
     def _schedule(self) -> StepBatch:
         """Decodes first (one token each), then prefill chunks in the remaining budget,
@@ -340,22 +413,34 @@ class Scheduler:
         seq.prefill_span = self.tracer.start_span("prefill", context=seq.otel_ctx)
 
     def _advance(self, batch: StepBatch, out: StepOutput) -> None:
+        """Commit finished prefills, sample, append. Whatever raises for one sequence
+        (its commit, its sampling parameters, decoding its text) fails that one alone."""
         sampled: list[tuple[SequenceState, torch.Tensor]] = []
-        for seq, _ in batch.prefills:
-            seq.max_batch = max(seq.max_batch, len(batch.prefills) + len(batch.decodes))
+        size = len(batch.prefills) + len(batch.decodes)
         for i, (seq, req) in enumerate(batch.prefills):
+            seq.max_batch = max(seq.max_batch, size)
             seq.num_computed = len(req.token_ids)
             if seq.num_computed == seq.prompt_len:
-                self._commit_prefill(seq)
+                try:
+                    self._commit_prefill(seq)
+                except Exception as exc:
+                    self._fail(seq, exc)
+                    continue
                 sampled.append((seq, out.prefill_logits[i]))
         for j, (seq, _) in enumerate(batch.decodes):
             sampled.append((seq, out.decode_logits[j]))
         if not sampled:
             return
         logits = torch.stack([row for _, row in sampled])
-        tokens = sample(logits, [s.params for s, _ in sampled], [s.generator for s, _ in sampled])
+        params = [s.params for s, _ in sampled]
+        tokens = sample_each(logits, params, [s.generator for s, _ in sampled])
         for (seq, _), token in zip(sampled, tokens, strict=True):
-            self._append_token(seq, token)
+            try:
+                if isinstance(token, Exception):
+                    raise token
+                self._append_token(seq, token)
+            except Exception as exc:
+                self._fail(seq, exc)
 
     def _commit_prefill(self, seq: SequenceState) -> None:
         """Write-then-publish, then the managed entries at the breakpoints."""
@@ -429,14 +514,10 @@ class Scheduler:
     def _finish(self, seq: SequenceState, error: Exception | None = None) -> None:
         if seq.status is SeqStatus.FINISHED:
             return
-        self._end_prefill_span(seq, error or CancelledRequestError("finished before commit"))
-        if seq.decode_span is not None:
-            seq.decode_span.set_attribute("gen_ai.usage.output_tokens", len(seq.output))
-            if error is not None:
-                seq.decode_span.record_exception(error)
-                seq.decode_span.set_status(Status(StatusCode.ERROR, str(error)))
-            seq.decode_span.end()
-            seq.decode_span = None
+        try:
+            self._close_spans(seq, error)
+        except Exception:  # tracing must never keep a request from ending
+            log.exception("closing the spans of %s failed", seq.request_id)
         if seq.alloc is not None:
             seq.alloc.close()  # abort if the prefill never committed, else free
         if seq in self.running:
@@ -454,7 +535,20 @@ class Scheduler:
                 seq.done.set_exception(error)
                 seq.done.exception()  # mark retrieved: a vanished client may never await it
         if self.on_finish is not None:
-            self.on_finish(seq)
+            try:
+                self.on_finish(seq)
+            except Exception:  # metrics and logs must never fail a request or the loop
+                log.exception("on_finish hook failed for %s", seq.request_id)
+
+    def _close_spans(self, seq: SequenceState, error: Exception | None) -> None:
+        self._end_prefill_span(seq, error or CancelledRequestError("finished before commit"))
+        if seq.decode_span is not None:
+            seq.decode_span.set_attribute("gen_ai.usage.output_tokens", len(seq.output))
+            if error is not None:
+                seq.decode_span.record_exception(error)
+                seq.decode_span.set_status(Status(StatusCode.ERROR, str(error)))
+            seq.decode_span.end()
+            seq.decode_span = None
 
     def flush_events(self) -> int:
         """Hand every pending kv event to the sink now; returns how many there were.

@@ -49,6 +49,21 @@ class GenerateRequest(_Strict):
     seed: int | None = None
     ignore_eos: bool = False
     stream: bool = False
+    retention_owner: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        description="tenant charged for the blocks its entries retain (the gateway sends "
+        "org:<id>); None = one shared owner for every request that names none",
+    )
+    owner_retained_share: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        strict=True,  # NOTE: a JSON `true` is not a share (ints still are)
+        description="share of this replica's retained budget the owner may hold; "
+        "None = the replica's org_retained_share",
+    )
 
     @model_validator(mode="after")
     def _positions(self) -> GenerateRequest:

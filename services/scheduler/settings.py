@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cachepoint.events.subjects import check_replica_name
@@ -50,6 +50,9 @@ class ReplicaSettings(BaseSettings):
     kv_cache_bytes: int = Field(256 * 2**20, gt=0, description="KV budget per rank on the CPU")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="share of free GPU memory")
     retained_share: float = Field(0.5, ge=0, le=1, description="max share of blocks under TTL")
+    org_retained_share: float = Field(
+        0.5, ge=0, le=1, description="default share of the retained blocks one org may hold"
+    )
     eviction: str = Field(
         DEFAULT_EVICTION,
         description=f"which cached free block goes first: {' | '.join(EVICTION_POLICIES)}",
@@ -65,10 +68,31 @@ class ReplicaSettings(BaseSettings):
         ),
         description="NATS for kv events and heartbeats; None = no event plane",
     )
+    nats_user: str | None = Field(
+        None,
+        validation_alias=AliasChoices(
+            "nats_user", "CACHEPOINT_REPLICA_NATS_USER", "CACHEPOINT_NATS_USER"
+        ),
+        description="NATS user (the replica's name in generated configs); None = no auth",
+    )
+    nats_password: SecretStr | None = Field(
+        None,
+        validation_alias=AliasChoices(
+            "nats_password", "CACHEPOINT_REPLICA_NATS_PASSWORD", "CACHEPOINT_NATS_PASSWORD"
+        ),
+        description="NATS password for nats_user",
+    )
     advertise_url: str | None = Field(
         None, description="URL the gateway should call; default http://HOST:PORT"
     )
     heartbeat_interval_s: float = Field(1.0, gt=0, description="seconds between heartbeats")
+    internal_token: SecretStr | None = Field(
+        None,
+        validation_alias=AliasChoices(
+            "internal_token", "CACHEPOINT_REPLICA_INTERNAL_TOKEN", "CACHEPOINT_INTERNAL_TOKEN"
+        ),
+        description="bearer token /v1/generate and /v1/stats require; None = open (dev only)",
+    )
 
     @field_validator("name")
     @classmethod
@@ -88,3 +112,9 @@ class ReplicaSettings(BaseSettings):
     @classmethod
     def _size(cls, v: object) -> object:
         return parse_bytes(v) if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _nats_auth(self) -> ReplicaSettings:
+        if (self.nats_user is None) != (self.nats_password is None):
+            raise ValueError("nats_user and nats_password go together: set both or neither")
+        return self

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -90,6 +91,82 @@ def test_up_serves_until_ctrl_c(tmp_path, free_port):
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     assert not [n for n, pid in ep["pids"].items() if _alive(pid)], "orphan processes left"
+
+
+def _endpoint(state) -> dict:
+    # NOTE: endpoint.json is replaced whole on each restart; read until it parses.
+    for _ in range(50):
+        try:
+            return json.loads((state / "endpoint.json").read_text())
+        except (ValueError, FileNotFoundError):
+            time.sleep(0.1)
+    raise AssertionError("endpoint.json unreadable")
+
+
+@pytest.mark.slow
+def test_up_restarts_a_killed_replica_and_nats(tmp_path, free_port):
+    """kill -9 of a replica or of nats-server used to stop the whole stack."""
+    port = free_port()
+    state = tmp_path / "state"
+    proc = subprocess.Popen(
+        [*CMD, "--state-dir", str(state), "--port", str(port), "--replicas", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # Ctrl-C below goes to the group, as a terminal's does
+    )
+    pids: set[int] = set()
+    try:
+        deadline = time.time() + 180
+        while not (state / "endpoint.json").exists():
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.time() < deadline
+            time.sleep(0.2)
+        first = _endpoint(state)
+        pids |= set(first["pids"].values())
+        os.kill(first["pids"]["replica-0"], signal.SIGKILL)
+        os.kill(first["pids"]["nats"], signal.SIGKILL)
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, "cachepoint up exited after a child died"
+            ep = _endpoint(state)
+            pids |= set(ep["pids"].values())
+            body = {}
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                body = httpx.get(f"{ep['base_url']}/readyz", timeout=2).json()
+            if (
+                ep["pids"]["replica-0"] != first["pids"]["replica-0"]
+                and ep["pids"]["nats"] != first["pids"]["nats"]
+                and body.get("replicas_live") == 1
+                and body.get("event_plane") == "connected"
+            ):
+                break
+            assert time.time() < deadline, body
+            time.sleep(0.3)
+        r = httpx.post(
+            f"{ep['base_url']}/v1/messages",
+            headers={"x-api-key": ep["api_key"]},
+            json={
+                "model": "cachepoint-tiny",
+                "max_tokens": 2,
+                "messages": [{"role": "user", "content": "still there?"}],
+            },
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    for name in ("replica-0", "nats"):
+        assert f"{name} (pid {first['pids'][name]}) died (SIGKILL)" in out, out
+        assert f"{name} restarted (restart #1" in out, out
+    log = [json.loads(x) for x in (state / "logs" / "supervisor.log").read_text().splitlines()]
+    # Only the two kills: the Ctrl-C stopped the rest in order, with no deaths to report.
+    died = sorted((e["child"], e["signal"]) for e in log if e["event"] == "exited")
+    assert died == [("nats", "SIGKILL"), ("replica-0", "SIGKILL")], log
+    time.sleep(0.5)
+    assert not [p for p in pids if _alive(p)], "orphan processes left"
 
 
 def test_up_port_in_use_is_a_clear_error(tmp_path):

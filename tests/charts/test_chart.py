@@ -188,13 +188,15 @@ def test_default_install(rendered: dict[str, list[dict[str, Any]]]) -> None:
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     gw_env = env(container)
-    assert gw_env["CACHEPOINT_GATEWAY_NATS_URL"] == f"nats://{FULLNAME}-nats:4222"
+    # Fully qualified: members in other namespaces than the release's use the same URL.
+    nats_url = f"nats://{FULLNAME}-nats.{NAMESPACE}.svc.cluster.local:4222"
+    assert gw_env["CACHEPOINT_GATEWAY_NATS_URL"] == nats_url
     assert gw_env["CACHEPOINT_GATEWAY_DATABASE_URL"]["secretKeyRef"]["key"] == "DATABASE_URL"
     assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in gw_env
     operator = one(docs, "Deployment", f"{FULLNAME}-operator")
     op = operator["spec"]["template"]["spec"]["containers"][0]
     assert "--all-namespaces" in op["args"]
-    assert env(op)["CACHEPOINT_OPERATOR_NATS_URL"] == f"nats://{FULLNAME}-nats:4222"
+    assert env(op)["CACHEPOINT_OPERATOR_NATS_URL"] == nats_url
     assert operator["spec"]["strategy"]["type"] == "Recreate"
     db = one(docs, "Secret", f"{FULLNAME}-gateway-db")["data"]
     url = base64.b64decode(db["DATABASE_URL"]).decode()
@@ -212,12 +214,14 @@ def test_operator_rbac_is_least_privilege(rendered: dict[str, list[dict[str, Any
         for resource in rule["resources"]
         for verb in rule["verbs"]
     }
-    # Exactly what operator/kube.py and kopf call, nothing else (no secrets, no "*").
+    # Exactly what operator/kube.py and kopf call, nothing else (no list/watch of
+    # secrets, no "*"): secrets only by name, for each CacheReplica's credentials.
     needed = {("cachepoint.dev", "cachereplicas", v) for v in ("get", "list", "watch", "patch")}
     needed |= {("cachepoint.dev", "cachereplicas/status", v) for v in ("get", "patch")}
     needed |= {("", "pods", v) for v in ("list", "create", "delete")}
     needed |= {("", "services", v) for v in ("get", "create", "patch", "delete")}
     needed |= {("", "events", "create")}
+    needed |= {("", "secrets", v) for v in ("get", "create", "patch", "delete")}
     assert granted == needed
     binding = one(rendered["default"], "ClusterRoleBinding", f"{FULLNAME}-operator")
     assert binding["subjects"][0]["name"] == f"{FULLNAME}-operator"

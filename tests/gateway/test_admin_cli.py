@@ -97,3 +97,55 @@ def test_admin_cli_usage_table_and_csv(tmp_path, stack):
     assert int(rows[0][6]) >= 1
     table = admin(stack["db"], "usage", "--org", "a", "--since", "1d", "--bucket", "1h").stdout
     assert "usage of a" in table
+
+
+def test_admin_cli_set_retention(tmp_path, capsys):
+    """`orgs set-retention` stores the org's quota (issue 12, finding 4); the gateway
+    reads it with the key and sends it to the replicas. In-process (the same `main`
+    the script runs), so this stays fast."""
+    from cachepoint.gateway.admin.cli import main
+
+    db = f"sqlite:///{tmp_path}/admin.db"
+
+    def run(*args: str) -> tuple[int, str, str]:
+        try:
+            code = main(["--db", db, *args])
+        except SystemExit as exc:  # argparse: --help, or a bad argument
+            code = int(exc.code or 0)
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    assert run("orgs", "create", "acme")[0] == 0
+    key = admin(db, "keys", "create", "--org", "acme", "--quiet").stdout.strip()
+    code, out, _ = run("orgs", "set-retention", "acme", "--share", "0.25")
+    assert code == 0
+    assert "org acme: retained share 0.25" in out
+    listing = run("orgs", "list")[1]
+    assert "retained share" in listing
+    assert "0.25" in listing
+
+    def share() -> float | None:
+        engine = make_engine(db)
+        with make_sessionmaker(engine)() as s:
+            ctx = authenticate(s, key)
+        engine.dispose()
+        assert ctx is not None
+        return ctx.retained_share
+
+    assert share() == 0.25
+    assert run("orgs", "set-retention", "acme", "--share", "default")[0] == 0
+    assert share() is None
+    assert "default" in run("orgs", "list")[1]
+    for bad, why in (("2", "must be within 0 and 1"), ("lots", "not a share")):
+        code, _, err = run("orgs", "set-retention", "acme", "--share", bad)
+        assert code == 2
+        assert why in err
+        assert "Traceback" not in err
+    code, _, err = run("orgs", "set-retention", "nope", "--share", "0.5")
+    assert code == 1
+    assert "no org named 'nope'" in err
+    assert share() is None  # nothing changed by the failures
+    code, help_text, _ = run("orgs", "set-retention", "--help")
+    assert code == 0
+    assert "--share" in help_text
+    assert "billed as plain input" in " ".join(help_text.split())

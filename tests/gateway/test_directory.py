@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 from cachepoint.events import schema
 from cachepoint.gateway.directory import ReplicaDirectory
+from cachepoint.gateway.trust import UrlPolicy
 from cachepoint.kvcore import ManualClock, hash_blocks
 
 H = hash_blocks(list(range(16 * 8)), 16)
@@ -17,11 +20,11 @@ def stored(*hashes, parent=None):
     return schema.Stored(list(hashes), parent)
 
 
-def hb(name="r0", epoch=1, last_seq=0, waiting=0) -> schema.Heartbeat:
+def hb(name="r0", epoch=1, last_seq=0, waiting=0, url=None) -> schema.Heartbeat:
     return schema.Heartbeat(
         schema.SCHEMA_VERSION,
         name,
-        f"http://{name}",
+        url or f"http://{name}",
         epoch,
         "m",
         16,
@@ -106,3 +109,96 @@ def test_directory_queue_bound_and_load_reach_the_view():
     (view,) = d.views()
     assert view.queued_prefill_tokens == 100
     assert not view.routable  # at its queue bound
+
+
+# ------------------------------------------- refusals (issue 12, finding 2)
+
+NOW_NS = 1_800_000_000 * 10**9  # the gateway's wall clock in these tests
+SKEW_NS = 60 * 10**9
+
+
+def stats(epoch: int, name: str = "r0") -> dict[str, object]:
+    return {
+        "replica": name,
+        "epoch": epoch,
+        "block_size": 16,
+        "model": "m",
+        "queued_prefill_tokens": 0,
+        "running": 0,
+        "waiting": 0,
+        "max_waiting": 8,
+    }
+
+
+def test_directory_refuses_epochs_from_the_future_and_changes_nothing():
+    d = ReplicaDirectory(max_epoch_skew_s=60, wall_ns=lambda: NOW_NS)
+    far = 2**62
+    assert not d.on_heartbeat(hb("ghost", epoch=far))
+    assert "ghost" not in d.replicas  # not even an empty record
+    d.on_heartbeat(hb(epoch=NOW_NS))
+    d.on_batch(batch(1, stored(H[0]), epoch=NOW_NS))
+    before = (d.replicas["r0"].epoch, d.replicas["r0"].last_seq, d.replicas["r0"].url)
+    assert not d.on_heartbeat(hb(epoch=far, url="http://elsewhere"))
+    assert not d.on_batch(batch(1, schema.Cleared(), epoch=far))
+    assert not d.on_stats("r0", "http://elsewhere", stats(far))
+    assert not d.on_snapshot(schema.Snapshot(schema.SCHEMA_VERSION, "r0", far, 0, []))
+    st = d.replicas["r0"]
+    assert (st.epoch, st.last_seq, st.url) == before
+    assert st.view.index.match(H) == 1 and st.view.live
+    assert d.rejections == {"future_epoch": 5}
+    # The real replica keeps being heard, and a start within the skew is accepted.
+    assert not d.on_heartbeat(hb(epoch=NOW_NS))
+    d.on_heartbeat(hb(epoch=NOW_NS + SKEW_NS))
+    assert d.replicas["r0"].epoch == NOW_NS + SKEW_NS
+
+
+def test_directory_exact_urls_refuse_a_url_that_is_not_the_names():
+    urls = UrlPolicy("exact", {"r0": "http://10.0.0.1:8100", "r1": "http://10.0.0.2:8100"})
+    d = ReplicaDirectory(urls=urls)
+    assert not d.on_heartbeat(hb("r0", url="http://10.0.0.2:8100"))  # r1's URL
+    assert not d.on_heartbeat(hb("rogue", url="http://10.9.9.9:8100"))  # not configured
+    assert d.replicas == {} and d.rejections == {"url": 2}
+    d.on_heartbeat(hb("r0", url="http://10.0.0.1:8100/"))  # a trailing slash is the same
+    assert d.on_stats("r1", "http://10.0.0.2:8100", stats(1, "r1"))
+    assert not d.on_stats("r1", "http://10.0.0.1:8100", stats(1, "r1"))
+    assert {v.name for v in d.views() if v.live} == {"r0", "r1"}
+    assert d.url_of("r1") == "http://10.0.0.2:8100"
+
+
+def test_directory_k8s_dns_urls_must_be_the_announced_pods():
+    d = ReplicaDirectory(urls=UrlPolicy("k8s-dns"))
+    ok = "http://big-0.big.prod.svc.cluster.local:8100"
+    assert not d.on_heartbeat(hb("prod-big-1", url=ok))  # another pod's address
+    assert not d.on_heartbeat(hb("prod-big-0", url="http://10.1.2.3:8100"))
+    d.on_heartbeat(hb("prod-big-0", url=ok))
+    assert [v.name for v in d.views()] == ["prod-big-0"]
+    assert d.rejections == {"url": 2}
+
+
+def test_directory_refusals_are_logged_at_most_once_a_minute(caplog):
+    clock = ManualClock(0.0)
+    d = ReplicaDirectory(clock=clock, wall_ns=lambda: NOW_NS)
+    with caplog.at_level(logging.WARNING, logger="cachepoint.gateway.directory"):
+        for _ in range(50):
+            d.on_heartbeat(hb(epoch=2**62))
+        clock.advance(61)
+        d.on_heartbeat(hb(epoch=2**62))
+    assert d.rejections == {"future_epoch": 51}
+    assert sum("future_epoch" in r.message for r in caplog.records) == 2
+
+
+def test_directory_failed_health_check_overrides_heartbeats():
+    clock = ManualClock(100.0)
+    d = ReplicaDirectory(clock=clock)
+    d.on_heartbeat(hb("r0"))
+    d.on_heartbeat(hb("r1"))
+    d.mark_unhealthy("r0", "/readyz answered 503")
+    d.on_heartbeat(hb("r0"))  # still heartbeating: still out
+    d.sweep()
+    assert {v.name: v.live for v in d.views()} == {"r0": False, "r1": True}
+    assert d.health_downs == 1
+    d.mark_healthy("r0")
+    assert d.replicas["r0"].view.live
+    d.mark_unhealthy("r0", "connect error")
+    d.on_heartbeat(hb("r0", epoch=2))  # a restart is judged afresh
+    assert d.replicas["r0"].view.live and d.health_downs == 2

@@ -5,10 +5,12 @@ import pytest
 from cachepoint.kvcore import (
     AllocationError,
     AllocationState,
+    BlockPool,
     BlockStored,
     KVCacheManager,
     ManualClock,
     PoolExhaustedError,
+    RetentionOwner,
     entry_key_at,
     hash_blocks,
 )
@@ -188,4 +190,51 @@ def test_manager_clear_drops_entries_and_blocks(manager: KVCacheManager):
     assert manager.match(hs, 9).num_blocks == 0
     s = manager.stats()
     assert (s.entries, s.blocks.retained, s.blocks.empty) == (0, 0, 8)
+    manager.pool.check_invariants()
+
+
+def _write_as(manager: KVCacheManager, n: int, ttl: float, start: int, owner: RetentionOwner):
+    toks, hs = _prompt(n, start)
+    a = manager.allocate(hs, n)
+    a.commit()
+    key = entry_key_at(toks, n, hs, BLOCK, ())
+    w = manager.write_entry(key, n, hs, ttl, owner)
+    a.free()
+    return key, w
+
+
+def test_manager_entries_are_charged_to_their_owner(clock: ManualClock):
+    # 16 blocks, cap 8, each owner 4: org a's third 2-block entry is over its quota.
+    manager = KVCacheManager(BlockPool(16, BLOCK, owner_share=0.5, clock=clock))
+    a, b = RetentionOwner("org:a"), RetentionOwner("org:b")
+    assert _write_as(manager, 8, 3600, 0, a)[1].written
+    assert _write_as(manager, 8, 3600, 100, a)[1].written
+    key, w = _write_as(manager, 8, 3600, 200, a)
+    assert not w.written
+    assert w.refused_reason == "tenant retention quota: 4 of 4 blocks retained, 2 more requested"
+    assert manager.lookup_entry([key]) is None  # refused: no entry to read later
+    key_b, w_b = _write_as(manager, 8, 3600, 300, b)
+    assert w_b.written
+    clock.advance(1800)
+    assert manager.lookup_entry([key_b]) is not None  # a hit refreshes, charges nothing
+    assert manager.pool.retained_owners() == {"org:a": 4, "org:b": 2}
+    s = manager.stats()
+    assert (s.retain_refusals, s.quota_refusals) == (1, 1)
+    clock.advance(1801)  # a's entries expire; b's was refreshed 1801 s ago
+    assert manager.pool.retained_owners() == {"org:b": 2}
+    manager.pool.check_invariants()
+
+
+def test_manager_rewrite_with_shorter_ttl_keeps_blocks_as_long_as_entry(
+    manager: KVCacheManager, clock: ManualClock
+):
+    """An entry keeps its longest TTL; its blocks must stay retained just as long."""
+    _toks, hs, key, _ = _write(manager, 8, 3600)
+    clock.advance(3500)
+    w = manager.write_entry(key, 8, hs, 300)  # e.g. a concurrent request's 5m marker
+    assert w.expires_at == clock.now + 3600
+    assert all(manager.pool.get_cached(h).retained_until == clock.now + 3600 for h in hs[:2])
+    clock.advance(3000)  # past the 5m, within the entry's 1h
+    assert manager.stats().blocks.retained == 2
+    assert manager.lookup_entry([key]) is not None
     manager.pool.check_invariants()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -10,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from cachepoint.kvcore import (
     EVICTION_POLICIES,
+    UNATTRIBUTED,
     Allocation,
     AllocationState,
     BlockHash,
@@ -18,6 +20,7 @@ from cachepoint.kvcore import (
     KVCacheManager,
     ManualClock,
     PoolExhaustedError,
+    RetentionOwner,
     entry_key_at,
     hash_blocks,
 )
@@ -25,6 +28,7 @@ from cachepoint.kvcore import (
 BLOCK = 2
 FAMILIES = 3  # prompts share prefixes within a family, so hits are common
 MAX_LEN = 14
+SHARES = [None, 0.0, 0.25, 0.5, 1.0]  # an owner's share; None = the pool's owner_share
 
 
 def _prompt(family: int, length: int, variant: int) -> list[int]:
@@ -38,24 +42,39 @@ class PoolMachine(RuleBasedStateMachine):
     @initialize(
         num_blocks=st.integers(3, 14),
         share=st.sampled_from([0.0, 0.25, 0.5, 1.0]),
+        owner_share=st.sampled_from([0.5, 1.0]),
+        owner_shares=st.tuples(st.sampled_from(SHARES), st.sampled_from(SHARES)),
         eviction=st.sampled_from(sorted(EVICTION_POLICIES)),
     )
-    def setup(self, num_blocks: int, share: float, eviction: str) -> None:
+    def setup(
+        self,
+        num_blocks: int,
+        share: float,
+        owner_share: float,
+        owner_shares: tuple[float | None, float | None],
+        eviction: str,
+    ) -> None:
         self.clock = ManualClock(0.0)
         # Every strategy must keep every invariant; only the eviction order differs.
         self.pool = BlockPool(
             num_blocks,
             BLOCK,
             retained_share=share,
+            owner_share=owner_share,
             clock=self.clock,
             eviction=EVICTION_POLICIES[eviction](),
         )
+        # Two tenants with fixed shares, and None: retains that name no owner.
+        a, b = (RetentionOwner(f"org:{n}", s) for n, s in zip("ab", owner_shares, strict=True))
+        self.owners: list[RetentionOwner | None] = [a, b, None]
+        self.owner_share = owner_share
         self.mgr = KVCacheManager(self.pool)
         self.open: list[tuple[Allocation, list[int]]] = []
         # Shadow state, independent of the pool's own bookkeeping:
         self.content: dict[int, tuple[int, ...]] = {}  # block id -> full token prefix it holds
         self.retained: dict[BlockHash, float] = {}  # hash -> deadline we were promised
         self.entry_blocks: dict[EntryKey, tuple[BlockHash, ...]] = {}
+        self.charged: dict[BlockHash, str] = {}  # hash -> owner key its retention is charged to
 
     # ------------------------------------------------------------------ rules
 
@@ -120,36 +139,46 @@ class PoolMachine(RuleBasedStateMachine):
             alloc.grow(alloc.num_tokens + extra)
 
     @precondition(lambda self: bool(self.pool.cached))
-    @rule(data=st.data(), ttl=st.sampled_from([300.0, 3600.0]))
-    def retain(self, data: st.DataObject, ttl: float) -> None:
+    @rule(data=st.data(), ttl=st.sampled_from([300.0, 3600.0]), who=st.integers(0, 2))
+    def retain(self, data: st.DataObject, ttl: float, who: int) -> None:
         hashes = data.draw(st.lists(st.sampled_from(sorted(self.pool.cached)), max_size=4))
         blocks = [self.pool.cached[h] for h in hashes]
-        result = self.pool.retain(blocks, ttl)
+        owner = self.owners[who]
+        expected = self._fits(hashes, owner)
+        result = self.pool.retain(blocks, ttl, owner)
+        assert result.ok == expected, result.reason
         if result.ok:
-            for h in hashes:
-                self.retained[h] = max(self.retained.get(h, 0.0), result.retained_until)
+            self._charge(hashes, owner, result.retained_until)
 
     @precondition(lambda self: any(a.state is AllocationState.COMMITTED for a, _ in self.open))
-    @rule(data=st.data(), ttl=st.sampled_from([300.0, 3600.0]))
-    def write_entry(self, data: st.DataObject, ttl: float) -> None:
+    @rule(data=st.data(), ttl=st.sampled_from([300.0, 3600.0]), who=st.integers(0, 2))
+    def write_entry(self, data: st.DataObject, ttl: float, who: int) -> None:
         _alloc, toks = self._pick(data, AllocationState.COMMITTED)
         n = len(toks)
         hs = hash_blocks(toks, BLOCK)
         key = entry_key_at(toks, n, hs, BLOCK, ())
-        w = self.mgr.write_entry(key, n, hs, ttl)
+        covered = tuple(hs[: n // BLOCK])
+        owner = self.owners[who]
+        expected = all(h in self.pool.cached for h in covered) and self._fits(covered, owner)
+        w = self.mgr.write_entry(key, n, hs, ttl, owner)
+        assert w.written == expected, w.refused_reason
         if w.written:
             assert w.expires_at is not None
-            covered = tuple(hs[: n // BLOCK])
+            # The entry may already live with a longer TTL: its blocks last as long.
+            assert w.expires_at >= self.clock.now + ttl
             self.entry_blocks[key] = covered
-            for h in covered:
-                self.retained[h] = max(self.retained.get(h, 0.0), self.clock.now + ttl)
+            self._charge(covered, owner, w.expires_at)
 
     @precondition(lambda self: bool(self.entry_blocks))
     @rule(data=st.data())
     def lookup_entry(self, data: st.DataObject) -> None:
         key = data.draw(st.sampled_from(sorted(self.entry_blocks)))
+        before = {h: self.retained.get(h, 0.0) for h in self.entry_blocks[key]}
         hit = self.mgr.lookup_entry([key])
         if hit is not None:
+            # A live entry's blocks are retained at least as long as it lives, so a
+            # hit only moves deadlines and never charges an owner anything new.
+            assert all(d > self.clock.now for d in before.values())
             for h in self.entry_blocks[key]:
                 self.retained[h] = max(self.retained.get(h, 0.0), hit.expires_at)
 
@@ -162,6 +191,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.mgr.clear()
         self.retained.clear()
         self.entry_blocks.clear()
+        self.charged.clear()
 
     # ------------------------------------------------------------- invariants
 
@@ -182,6 +212,55 @@ class PoolMachine(RuleBasedStateMachine):
         for h, deadline in self.retained.items():
             if deadline > now:
                 assert h in self.pool.cached, "a retained, unexpired block was evicted"
+
+    @invariant()
+    def owner_counts_are_exact_and_within_quota(self) -> None:
+        if not hasattr(self, "pool"):
+            return
+        owned = self.pool.retained_owners()
+        assert owned == self._expected_owned()
+        assert sum(owned.values()) == self.pool.counts().retained
+        for owner in self.owners:
+            if owner is not None:
+                assert owned.get(owner.key, 0) <= self._quota(owner)
+
+    # -------------------------------------------------------------- shadow
+
+    def _live(self, h: BlockHash) -> bool:
+        return self.retained.get(h, 0.0) > self.clock.now
+
+    def _expected_owned(self) -> dict[str, int]:
+        owned: dict[str, int] = {}
+        for h, key in self.charged.items():
+            if self._live(h):
+                owned[key] = owned.get(key, 0) + 1
+        return owned
+
+    def _fits(self, hashes: Sequence[BlockHash], owner: RetentionOwner | None) -> bool:
+        """Whether a retain must succeed, from the shadow alone: only blocks not retained
+        yet count, against the pool's cap and (if below the cap) the owner's quota."""
+        fresh = {h for h in hashes if not self._live(h)}
+        if not fresh:
+            return True
+        owned = self._expected_owned()
+        key = UNATTRIBUTED.key if owner is None else owner.key
+        quota = self._quota(owner)
+        total = sum(owned.values())
+        within_quota = quota >= self.pool.max_retained or owned.get(key, 0) + len(fresh) <= quota
+        return within_quota and total + len(fresh) <= self.pool.max_retained
+
+    def _quota(self, owner: RetentionOwner | None) -> int:
+        share = self.owner_share if owner is None or owner.share is None else owner.share
+        return int(share * self.pool.max_retained + 1e-9)
+
+    def _charge(
+        self, hashes: Sequence[BlockHash], owner: RetentionOwner | None, deadline: float
+    ) -> None:
+        key = UNATTRIBUTED.key if owner is None else owner.key
+        for h in hashes:
+            if not self._live(h):
+                self.charged[h] = key  # a block already retained stays with its first owner
+            self.retained[h] = max(self.retained.get(h, 0.0), deadline)
 
     def _pick(self, data: st.DataObject, state: AllocationState) -> tuple[Allocation, list[int]]:
         return data.draw(st.sampled_from([(a, t) for a, t in self.open if a.state is state]))

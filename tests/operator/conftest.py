@@ -8,6 +8,7 @@ with `await` so that server keeps answering.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import logging
@@ -35,14 +36,20 @@ os.environ.update(
         "CACHEPOINT_OPERATOR_RETRY_DELAY": "0.2",
         "CACHEPOINT_OPERATOR_NATS_URL": "nats://cachepoint-nats:4222",
         "CACHEPOINT_OPERATOR_OTLP_ENDPOINT": "http://cachepoint-otel-collector:4317",
+        "CACHEPOINT_OPERATOR_INTERNAL_TOKEN": "operator-test-token",
+        "CACHEPOINT_OPERATOR_NATS_USERS_SECRET": "rel-cachepoint-nats-users",
+        "CACHEPOINT_OPERATOR_RELEASE_NAMESPACE": "cachepoint",
     }
 )
+INTERNAL_TOKEN = "operator-test-token"
+USERS_SECRET = ("cachepoint", "rel-cachepoint-nats-users")  # the chart's (namespace, name)
 
 NAMESPACE = "serving"
 CR = "cachepoint.dev/v1alpha1/cachereplicas"
 PODS = "v1/pods"
 SERVICES = "v1/services"
 EVENTS = "v1/events"
+SECRETS = "v1/secrets"
 
 
 def cache_replica(name: str, **spec: Any) -> dict[str, Any]:
@@ -96,6 +103,13 @@ class Cluster:
     def pods(self) -> dict[str, dict[str, Any]]:
         return {p["metadata"]["name"]: p for p in self.list(PODS)}
 
+    def secret(self, namespace: str, name: str) -> dict[str, str] | None:
+        """A Secret's data, decoded; None when there is none."""
+        obj = self.server.current(kmock.resource(SECRETS), namespace, name)
+        if obj is None:
+            return None
+        return {k: base64.b64decode(v).decode() for k, v in (obj.get("data") or {}).items()}
+
     async def wait(self, check: Callable[[], Any], what: str, timeout: float = 15.0) -> Any:
         """Poll until `check()` is truthy; return its value. Awaits, so kmock keeps serving."""
         deadline = time.monotonic() + timeout
@@ -127,6 +141,7 @@ def cluster(kmock: ApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     )
     kmock.resources[SERVICES] = ResourceInfo(kind="Service", namespaced=True, verbs=verbs)
     kmock.resources[EVENTS] = ResourceInfo(kind="Event", namespaced=True, verbs=verbs)
+    kmock.resources[SECRETS] = ResourceInfo(kind="Secret", namespaced=True, verbs=verbs)
     # kopf waits for these two to be discoverable before it starts, even though with
     # scanning disabled and -A it never lists them (listing namespaces trips kmock 0.8).
     kmock.resources["v1/namespaces"] = ResourceInfo(kind="Namespace", namespaced=False, verbs=verbs)
@@ -241,6 +256,11 @@ class StatsServer:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
+                # Like a replica with an internal token: /v1/stats only with the token.
+                token = self.headers.get("authorization")
+                if self.path == "/v1/stats" and token != f"Bearer {INTERNAL_TOKEN}":
+                    self.send_error(401)
+                    return
                 if self.path == "/v1/stats":
                     body = json.dumps(owner.stats).encode()
                 elif self.path in ("/healthz", "/readyz"):

@@ -6,8 +6,21 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+from pydantic import SecretStr
 
 from cachepoint.operator.config import OperatorConfig
+from cachepoint.operator.nats_auth import (
+    MemberCredentials,
+    build_credentials_secret,
+    build_users_conf,
+    build_users_data,
+    decode_secret,
+    flatten,
+    member_passwords,
+    merge_record,
+    new_password,
+    parse_record,
+)
 from cachepoint.operator.pod import build_replica_pod, template_hash
 from cachepoint.operator.service import build_replica_service, service_drift
 from cachepoint.operator.spec import ReplicaSpec, parse_spec
@@ -173,3 +186,106 @@ def test_service_drift_replaces_only_what_changed() -> None:
     assert op["op"] == "replace"
     assert op["path"] == "/spec/ports"
     assert op["value"][0]["port"] == 9000
+
+
+# ------------------------------------------------------------ event-plane credentials
+
+SECURE = OperatorConfig(
+    nats_url="nats://n.cp.svc.cluster.local:4222", internal_token="s3cr3t-t0k3n"
+)
+
+
+def test_members_get_their_nats_user_and_secrets_by_reference() -> None:
+    env = env_of(pod(make_spec(port=9000), index=1, config=SECURE))
+    assert env["CACHEPOINT_NATS_USER"] == "serving-llama-1"  # = CACHEPOINT_REPLICA_NAME
+    assert env["CACHEPOINT_NATS_USER"] == env["CACHEPOINT_REPLICA_NAME"]
+    assert env["CACHEPOINT_NATS_PASSWORD"] == {
+        "secretKeyRef": {"name": "llama-credentials", "key": "llama-1"}
+    }
+    assert env["CACHEPOINT_INTERNAL_TOKEN"] == {
+        "secretKeyRef": {"name": "llama-credentials", "key": "internal-token"}
+    }
+    # The URL the gateway's k8s-dns rule accepts for the name serving-llama-1.
+    assert (
+        env["CACHEPOINT_REPLICA_ADVERTISE_URL"]
+        == "http://llama-1.llama.serving.svc.cluster.local:9000"
+    )
+    assert "s3cr3t-t0k3n" not in str(pod(make_spec(), config=SECURE))  # never inline
+    bare = env_of(pod(make_spec(), config=OperatorConfig()))
+    assert not {"CACHEPOINT_NATS_USER", "CACHEPOINT_INTERNAL_TOKEN"} & set(bare)
+
+
+def test_a_new_internal_token_rolls_the_members() -> None:
+    base = template_hash(make_spec(), SECURE)
+    other = SECURE.model_copy(update={"internal_token": SecretStr("other")})
+    assert template_hash(make_spec(), other) != base
+    assert "s3cr3t-t0k3n" not in str(SECURE.pod_fingerprint())
+
+
+def test_member_passwords_are_kept_made_and_dropped() -> None:
+    made = iter(f"generated-password-{i:04d}" for i in range(10))
+    existing = {"llama-0": "kept-password-000000", "llama-5": "gone-password-0000000"}
+    passwords = member_passwords("llama", 3, existing, lambda: next(made))
+    assert passwords == {
+        "llama-0": "kept-password-000000",
+        "llama-1": "generated-password-0000",
+        "llama-2": "generated-password-0001",
+    }
+    # A value the users file could not hold (a hand edit) is replaced, not copied.
+    fixed = member_passwords("llama", 1, {"llama-0": 'bad"pw'}, lambda: "fresh-password-00000")
+    assert fixed == {"llama-0": "fresh-password-00000"}
+    assert len(new_password()) >= 32
+
+
+def test_credentials_secret_is_a_valid_object() -> None:
+    credentials = MemberCredentials(passwords={"llama-0": "p" * 20}, internal_token="s3cr3t-t0k3n")
+    secret = build_credentials_secret(replica="llama", namespace="serving", credentials=credentials)
+    kubernetes_validate.validate(secret, K8S_VERSION, strict=True)
+    assert decode_secret(secret) == {"llama-0": "p" * 20, "internal-token": "s3cr3t-t0k3n"}
+    assert secret["metadata"]["name"] == "llama-credentials"
+
+
+def test_users_conf_is_sorted_deterministic_and_scoped_per_user() -> None:
+    users = {"serving-b-0": "b" * 20, "serving-a-0": "a" * 20}
+    conf = build_users_conf(users)
+    assert conf == build_users_conf(dict(reversed(users.items())))
+    lines = [line for line in conf.splitlines() if line.startswith("  {")]
+    assert [line.split('"')[1] for line in lines] == ["gateway", "serving-a-0", "serving-b-0"]
+    assert "password: $CACHEPOINT_NATS_GATEWAY_PASSWORD," in lines[0]
+    assert (
+        '{"publish": {"allow": ["cachepoint.kv.serving-a-0", '
+        '"cachepoint.replica.heartbeat.serving-a-0"]}, '
+        '"subscribe": {"allow": ["cachepoint.kv.snapshot.serving-a-0"]}, '
+        '"allow_responses": true}' in lines[1]
+    )
+    bad = [
+        ({"a b": "p" * 20}, "not a subject token"),
+        ({"gateway": "p" * 20}, "cannot be named"),
+        ({"ok": 'quote"inside-password'}, "cannot hold"),
+    ]
+    for users, message in bad:
+        with pytest.raises(ValueError, match=message):
+            build_users_conf(users)
+
+
+def test_users_record_merges_one_cache_replica_at_a_time() -> None:
+    record = merge_record({}, "serving/a", {"serving-a-0": "x" * 20})
+    record = merge_record(record, "ml/b", {"ml-b-0": "y" * 20})
+    assert set(flatten(record)) == {"serving-a-0", "ml-b-0"}
+    assert merge_record(record, "serving/a", None) == {"ml/b": {"ml-b-0": "y" * 20}}
+    data = decode_secret({"data": build_users_data(record)})
+    assert parse_record(data["members.json"]) == record
+    assert build_users_conf(flatten(record)) == data["users.conf"]
+    assert parse_record("not json") == parse_record("[1]") == {}
+
+
+def test_the_advertised_url_passes_the_gateways_k8s_dns_rule() -> None:
+    # A contract test across components (the operator itself imports no gateway code):
+    # what a member announces is what the chart's gateway (k8s-dns) accepts for it.
+    from cachepoint.gateway.trust import UrlPolicy
+
+    policy = UrlPolicy(mode="k8s-dns")
+    env = env_of(pod(make_spec(), index=2, config=SECURE))
+    name, url = env["CACHEPOINT_REPLICA_NAME"], env["CACHEPOINT_REPLICA_ADVERTISE_URL"]
+    assert policy.refuses(name, url) is None
+    assert policy.refuses("serving-llama-1", url) is not None  # not another member's

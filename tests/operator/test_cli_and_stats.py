@@ -11,7 +11,7 @@ from cachepoint.operator.config import OperatorConfig
 from cachepoint.operator.main import parse_args
 from cachepoint.operator.stats import ReplicaStats, poll, stats_url
 
-from .conftest import StatsServer
+from .conftest import INTERNAL_TOKEN, StatsServer
 
 
 def test_help_runs_without_a_cluster() -> None:
@@ -63,9 +63,18 @@ async def test_poll_reads_members_and_reports_failures(stats_server: StatsServer
         "r-0": stats_url("127.0.0.1", stats_server.port),
         "r-1": f"http://127.0.0.1:{stats_server.port}/nothing-here",
     }
-    results = await poll(urls, timeout=2.0)
+    results = await poll(urls, timeout=2.0, token=INTERNAL_TOKEN)
     assert isinstance(results["r-0"], ReplicaStats)
     assert results["r-0"].epoch == 1
     assert results["r-0"].blocks.cached_free == 300
     assert isinstance(results["r-1"], str)
     assert "404" in results["r-1"]
+
+
+async def test_poll_sends_the_internal_token(stats_server: StatsServer) -> None:
+    urls = {"r-0": stats_url("127.0.0.1", stats_server.port)}
+    without = await poll(urls, timeout=2.0)
+    assert isinstance(without["r-0"], str)
+    assert "401" in without["r-0"]
+    assert isinstance((await poll(urls, timeout=2.0, token="wrong"))["r-0"], str)
+    assert isinstance((await poll(urls, timeout=2.0, token=INTERNAL_TOKEN))["r-0"], ReplicaStats)

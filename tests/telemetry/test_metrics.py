@@ -1,4 +1,5 @@
-"""/metrics on the gateway and the replica: parseable, and moving by exactly a request."""
+"""/metrics on the gateway (its private listener) and the replica: parseable, and
+moving by exactly a request."""
 
 from __future__ import annotations
 
@@ -33,12 +34,14 @@ def test_metrics_move_by_exactly_one_request(serve, seeded_db):
     engine = Engine(ModelConfig.tiny(), EngineConfig(kv_cache_bytes=16 * 2**20, max_model_len=2048))
     replica = serve(create_replica_app(ReplicaSettings(name="r0"), engine))
     db, keys = seeded_db
-    gw = serve(
-        create_app(
-            GatewaySettings(database_url=db, replica_urls=[replica], min_cacheable_tokens=32)
+    app = create_app(
+        GatewaySettings(
+            database_url=db, replica_urls=[replica], min_cacheable_tokens=32, metrics_port=0
         )
     )
-    client = anthropic.Anthropic(base_url=gw, api_key=keys["a"], max_retries=0)
+    url = serve(app)
+    gw = app.state.metrics_url
+    client = anthropic.Anthropic(base_url=url, api_key=keys["a"], max_retries=0)
     body = dict(
         model="cachepoint-tiny",
         max_tokens=3,
@@ -85,8 +88,10 @@ def test_metrics_count_a_streamed_request(serve, seeded_db):
     engine = Engine(ModelConfig.tiny(), EngineConfig(kv_cache_bytes=16 * 2**20, max_model_len=2048))
     replica = serve(create_replica_app(ReplicaSettings(name="r0"), engine))
     db, keys = seeded_db
-    gw = serve(create_app(GatewaySettings(database_url=db, replica_urls=[replica])))
-    client = anthropic.Anthropic(base_url=gw, api_key=keys["a"], max_retries=0)
+    app = create_app(GatewaySettings(database_url=db, replica_urls=[replica], metrics_port=0))
+    url = serve(app)
+    gw = app.state.metrics_url
+    client = anthropic.Anthropic(base_url=url, api_key=keys["a"], max_retries=0)
     g0 = samples(gw)
     with client.messages.stream(
         model="cachepoint-tiny", max_tokens=4, messages=[{"role": "user", "content": "stream"}]
@@ -106,3 +111,16 @@ def test_metrics_count_a_streamed_request(serve, seeded_db):
     upstream = moved("cachepoint_gateway_upstream_seconds_sum")
     assert overhead > 0
     assert upstream > 0
+
+
+def test_gateway_metrics_are_not_on_the_public_port(serve, seeded_db):
+    """The billed counters carry org ids: the API port must not serve them to anyone
+    (issue 12); the private listener does, and only it."""
+    db, keys = seeded_db
+    app = create_app(GatewaySettings(database_url=db, metrics_port=0))
+    url = serve(app)
+    assert httpx.get(f"{url}/metrics").status_code == 404
+    assert httpx.get(f"{url}/metrics", headers={"x-api-key": keys["a"]}).status_code == 404
+    private = httpx.get(f"{app.state.metrics_url}/metrics")
+    assert private.status_code == 200
+    assert "cachepoint_replicas_live" in private.text

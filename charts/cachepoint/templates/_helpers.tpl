@@ -130,7 +130,41 @@ Takes: the root context.
 {{- if eq .Values.nats.mode "external" }}
 {{- required "nats.url is required when nats.mode is external" .Values.nats.url }}
 {{- else }}
-{{- printf "nats://%s:4222" (include "cachepoint.componentName" (dict "root" . "component" "nats")) }}
+{{- /* Fully qualified: member pods live in other namespaces than the release's. */}}
+{{- printf "nats://%s.%s.svc.cluster.local:4222" (include "cachepoint.componentName" (dict "root" . "component" "nats")) .Release.Namespace }}
+{{- end }}
+{{- end }}
+
+{{/*
+cachepoint.authSecretName: the Secret with the gateway's NATS password
+(nats-gateway-password) and the replicas' internal token (internal-token):
+auth.existingSecret when given, else the chart's own.
+Takes: the root context.
+*/}}
+{{- define "cachepoint.authSecretName" -}}
+{{- .Values.auth.existingSecret | default (include "cachepoint.componentName" (dict "root" . "component" "auth")) }}
+{{- end }}
+
+{{/*
+cachepoint.natsUsersSecretName: the NATS users include (users.conf) that the operator
+rebuilds from every CacheReplica's members.
+Takes: the root context.
+*/}}
+{{- define "cachepoint.natsUsersSecretName" -}}
+{{- include "cachepoint.componentName" (dict "root" . "component" "nats-users") }}
+{{- end }}
+
+{{/*
+cachepoint.keptSecret: one key of a chart Secret, generated once and then kept: the
+value already stored in the live Secret (so upgrades keep it), else a new random one.
+Takes: dict "root", "name" (the Secret) and "key".
+*/}}
+{{- define "cachepoint.keptSecret" -}}
+{{- $existing := lookup "v1" "Secret" .root.Release.Namespace .name }}
+{{- if and $existing $existing.data (hasKey $existing.data .key) }}
+{{- index $existing.data .key | b64dec }}
+{{- else }}
+{{- randAlphaNum 40 }}
 {{- end }}
 {{- end }}
 
@@ -241,7 +275,9 @@ Takes: dict "root" and "replica" (one entry of .Values.replicas).
 cachepoint.operatorRules: the operator's permissions, least privilege. It reads and
 watches CacheReplicas and patches them (finalizer, kopf's progress annotations) and
 their status; lists, creates and deletes member pods; reads, creates, patches and
-deletes the headless Service; posts Events. Nothing cluster-wide beyond these
+deletes the headless Service; posts Events; reads, creates, patches and deletes each
+CacheReplica's credentials Secret (no list or watch: it never reads other Secrets in
+bulk). Nothing cluster-wide beyond these
 resources: kopf's CRD and namespace scanning is disabled (operator/handlers.py).
 Shared by the ClusterRole (all namespaces) and the per-namespace Roles.
 Takes: nothing.
@@ -262,4 +298,18 @@ Takes: nothing.
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get, create, patch, delete]
+{{- end }}
+
+{{/*
+cachepoint.replicaPodLabels: labels every CacheReplica member pod carries, whatever its
+CacheReplica (set by the operator, operator/naming.py common_labels), for selectors.
+Takes: nothing (the root context is ignored).
+*/}}
+{{- define "cachepoint.replicaPodLabels" -}}
+app.kubernetes.io/name: cachepoint-replica
+app.kubernetes.io/component: replica
+app.kubernetes.io/managed-by: cachepoint-operator
 {{- end }}

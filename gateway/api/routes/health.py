@@ -1,10 +1,10 @@
-"""Liveness, readiness and metrics."""
+"""Liveness and readiness. NOTE: /metrics is not served here: its billed figures name
+each org, so it has its own listener (``metrics_port``), apart from the public API."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 from starlette.concurrency import run_in_threadpool
 
@@ -40,8 +40,3 @@ async def readyz(request: Request, state: StateDep) -> JSONResponse:
         "event_plane": "connected" if request.app.state.bus.connected else "down",
     }
     return JSONResponse(body, 200 if ok else 503)
-
-
-@router.get("/metrics")
-async def metrics(state: StateDep) -> Response:
-    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

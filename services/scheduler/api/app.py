@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -12,12 +13,17 @@ from fastapi import FastAPI
 from cachepoint.engine import Engine, EngineConfig, ModelConfig
 from cachepoint.telemetry import Telemetry, configure, instrument_server
 
+from .. import watchdog
 from ..bus import NatsBus
 from ..metrics import ReplicaMetrics
+from ..requestlog import LOGGER, RequestLog
 from ..scheduler import EventSink, Scheduler
+from ..sequence import SequenceState
 from ..settings import ReplicaSettings
 from .errors import install_error_handlers
 from .routes import generate, health, stats
+
+log = logging.getLogger(LOGGER)
 
 
 def build_engine(settings: ReplicaSettings) -> Engine:
@@ -71,7 +77,14 @@ def create_app(
         scheduler = Scheduler(eng, settings, sink=sink)
         scheduler.tracer = tel.tracer
         metrics = ReplicaMetrics(scheduler)
-        scheduler.on_finish = metrics.observe
+        request_log = RequestLog(settings.name)
+
+        def on_finish(seq: SequenceState) -> None:
+            metrics.observe(seq)
+            request_log(seq)
+
+        scheduler.on_finish = on_finish
+        watchdog.arm(scheduler, app.state)
         bus = None
         if settings.nats_url and sink is None:
             url = settings.advertise_url or f"http://{settings.host}:{settings.port}"
@@ -88,6 +101,22 @@ def create_app(
         app.state.metrics = metrics
         app.state.bus = bus
         scheduler.start()
+        log.info(
+            "replica started",
+            extra={
+                "fields": {
+                    "event": "replica_started",
+                    "replica": settings.name,
+                    "model": scheduler.model,
+                    "epoch": scheduler.epoch,
+                    "blocks": scheduler.pool.num_blocks,
+                    "block_size": scheduler.block_size,
+                    "max_model_len": scheduler.max_model_len,
+                    "device": str(eng.device),
+                    "nats": bus is not None,
+                }
+            },
+        )
         try:
             yield
         finally:

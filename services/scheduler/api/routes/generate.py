@@ -6,17 +6,17 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
 from ...errors import CancelledRequestError, SchedulerError
 from ...scheduler import Scheduler
 from ...schemas import GenerateRequest, GenerateResponse
 from ...sequence import PrefillDone, SequenceState, TokenEvent
-from ..deps import SchedulerDep
+from ..deps import SchedulerDep, require_internal_token
 from ..errors import error_body
 
-router = APIRouter(tags=["generate"])
+router = APIRouter(tags=["generate"], dependencies=[Depends(require_internal_token)])
 
 _DISCONNECT_POLL_S = 0.2
 

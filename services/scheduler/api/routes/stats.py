@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 
 from ...schemas import BlockStats, StatsResponse
-from ..deps import SchedulerDep
+from ..deps import SchedulerDep, require_internal_token
 
-router = APIRouter(tags=["stats"])
+router = APIRouter(tags=["stats"], dependencies=[Depends(require_internal_token)])
 
 
 @router.get("/v1/stats", response_model=StatsResponse)

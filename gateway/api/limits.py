@@ -1,0 +1,30 @@
+"""The rate-limit dependency of the Messages route: admits the request against its
+org's and key's buckets, and adds Anthropic's ``anthropic-ratelimit-*`` headers to the
+response (``retry-after`` too when it refuses, with a 429 ``rate_limit_error``)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from .. import requestlog
+from ..errors import rate_limited
+from ..ratelimit import Admission
+from .deps import MessageCallerDep, StateDep
+from .middleware import extra_headers
+
+
+def admit(request: Request, state: StateDep, ctx: MessageCallerDep) -> Admission:
+    requestlog.note_caller(ctx)
+    admission = state.limiter.admit(ctx.org_id, ctx.key_id)
+    extra_headers(request.scope).extend(admission.headers())
+    if not admission.allowed:
+        raise rate_limited(
+            f"This request would exceed your rate limit of {admission.reason} "
+            f"(per gateway); retry after the retry-after header's seconds"
+        )
+    return admission
+
+
+RateLimitDep = Annotated[Admission, Depends(admit)]

@@ -1,0 +1,202 @@
+"""Choosing a replica and talking to it: one generation, streamed or collected.
+
+A non-streaming request also runs as the replica's event stream, so that a client who
+hangs up can stop it: closing the stream makes the replica abort the generation, and
+the tokens counted so far are what was generated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ApiError
+from .pipeline import ReportLimits, UsageReportError, buckets_of, check_output
+from .state import GatewayState
+from .upstream import (
+    ReplicaClient,
+    ReplicaStreamError,
+    ReplicaUnreachableError,
+    Routed,
+    RouteRequest,
+)
+
+log = logging.getLogger(__name__)
+
+# NOTE: how often a non-streaming request checks that its client is still there; the
+# replica's own disconnect poll is 0.2 s, and a check is one non-blocking receive.
+DISCONNECT_POLL_S = 0.1
+STOPS = ("end_turn", "max_tokens", "stop_sequence")  # the stop reasons a replica may give
+
+
+def pick(state: GatewayState, route: RouteRequest) -> Routed:
+    with state.tracer.start_as_current_span("route") as span:
+        try:
+            routed = state.router.pick(route)
+        except ApiError:
+            state.metrics.route_decisions.labels("-", "no_replica").inc()
+            raise
+        policy = routed.decision.policy if routed.decision else "static"
+        state.metrics.route_decisions.labels(policy, "routed").inc()
+        span.set_attribute("cachepoint.route.replica", routed.replica.name)
+        if routed.decision is not None:
+            span.set_attributes(routed.decision.span_attributes())
+        age = state.router.freshness_s(routed.replica.name)
+        if age is not None:
+            span.set_attribute("cachepoint.route.index_age_s", age)
+        return routed
+
+
+def reject_report(state: GatewayState, replica: str, exc: UsageReportError) -> None:
+    """A usage report that cannot be true: nothing is billed from it, and the replica
+    is taken out of routing as if it had failed."""
+    log.warning("replica %s sent an unusable usage report: %s", replica, exc.reason)
+    state.router.report_failure(replica)
+
+
+def stream_broke(state: GatewayState, replica: str, exc: ReplicaStreamError) -> None:
+    """The replica's stream broke mid-way: most likely it died. One line, no traceback."""
+    log.warning("%s", exc.message)
+    state.router.report_failure(replica)
+
+
+def error_of(event: dict[str, Any]) -> ApiError:
+    """An ``error`` line from the replica as the error the client sees."""
+    err = event.get("error")
+    err = err if isinstance(err, dict) else {}
+    kind = str(err.get("type", "api_error"))
+    status = 529 if kind == "overloaded_error" else 500
+    return ApiError(status, kind, str(err.get("message", "replica failed")))
+
+
+@dataclass(slots=True)
+class Opened:
+    """An upstream event stream whose prefill is done and whose report checked out."""
+
+    replica: ReplicaClient  # who generates
+    events: AsyncIterator[dict[str, Any]]  # the token, done and error lines
+    cache: dict[str, Any]  # the replica's cache report, checked against the prompt
+    stack: AsyncExitStack  # closing it closes the connection: the replica aborts
+
+
+async def _open_once(
+    state: GatewayState, replica: ReplicaClient, payload: dict[str, Any], limits: ReportLimits
+) -> Opened:
+    stack = AsyncExitStack()
+    try:
+        events = await stack.enter_async_context(replica.stream(payload))
+        first = await anext(events)
+        kind = first.get("type")
+        if kind == "error":
+            raise error_of(first)
+        if kind != "prefill_done":
+            raise UsageReportError(f"first event {str(kind)[:40]!r}, not prefill_done")
+        cache = first.get("cache")
+        if not isinstance(cache, dict):
+            raise UsageReportError("prefill_done without a cache report")
+        buckets_of(cache, 0, limits)
+        return Opened(replica, events, cache, stack)
+    except BaseException as exc:
+        await stack.aclose()
+        if isinstance(exc, UsageReportError):
+            reject_report(state, replica.name, exc)
+        elif isinstance(exc, ReplicaStreamError):
+            stream_broke(state, replica.name, exc)
+        if isinstance(exc, StopAsyncIteration):
+            raise ReplicaStreamError(replica.name, "no events") from None
+        raise
+
+
+async def open_stream(
+    state: GatewayState,
+    route: RouteRequest,
+    routed: Routed,
+    payload: dict[str, Any],
+    limits: ReportLimits,
+) -> Opened:
+    """Open the replica's stream and wait for its prefill; a replica that is down
+    before answering is reported, and the request routed once more, elsewhere."""
+    try:
+        return await _open_once(state, routed.replica, payload, limits)
+    except ReplicaUnreachableError:
+        # It died before its heartbeat went stale: route once more, elsewhere.
+        state.router.report_failure(routed.replica.name)
+        routed = pick(state, route)
+        return await _open_once(state, routed.replica, payload, limits)
+
+
+@dataclass(slots=True)
+class Generation:
+    """A collected generation: finished, or stopped because the client went away."""
+
+    replica: str  # who generated
+    cache: dict[str, Any]  # the checked cache report
+    output_tokens: int  # tokens generated (token events received)
+    result: dict[str, Any] | None  # the replica's final response; None when stopped
+
+
+async def _collect(opened: Opened, gen: Generation, limits: ReportLimits) -> None:
+    async for ev in opened.events:
+        kind = ev.get("type")
+        if kind == "token":
+            gen.output_tokens = check_output(gen.output_tokens + 1, limits)
+        elif kind == "done":
+            result = ev.get("response")
+            if not isinstance(result, dict) or result.get("output_tokens") != gen.output_tokens:
+                got = result.get("output_tokens") if isinstance(result, dict) else None
+                raise UsageReportError(
+                    f"final output_tokens {got!r} after {gen.output_tokens} token events"
+                )
+            if not isinstance(result.get("text"), str) or result.get("stop_reason") not in STOPS:
+                raise ReplicaStreamError(opened.replica.name, "malformed final response")
+            gen.result = result
+            return
+        elif kind == "error":
+            raise error_of(ev)
+    raise ReplicaStreamError(opened.replica.name, "stream ended before done")
+
+
+async def generate(
+    state: GatewayState,
+    route: RouteRequest,
+    routed: Routed,
+    payload: dict[str, Any],
+    limits: ReportLimits,
+    client_gone: Callable[[], Awaitable[bool]] | None,
+) -> Generation:
+    """Run one generation to its end, or until ``client_gone`` says the client hung up
+    (then ``result`` is None and ``output_tokens`` is what was generated before the
+    replica was told to stop). ``client_gone`` None: run to the end regardless."""
+    opened = await open_stream(state, route, routed, payload, limits)
+    gen = Generation(opened.replica.name, opened.cache, 0, None)
+    async with opened.stack:
+        task = asyncio.ensure_future(_collect(opened, gen, limits))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    break
+                if client_gone is not None and await client_gone():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    return gen
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        try:
+            task.result()
+        except UsageReportError as exc:
+            reject_report(state, gen.replica, exc)
+            raise
+        except ReplicaStreamError as exc:
+            stream_broke(state, gen.replica, exc)
+            raise
+    return gen

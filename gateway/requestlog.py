@@ -1,0 +1,110 @@
+"""One JSON line per Messages request on the ``cachepoint.requests`` logger.
+
+The middleware opens a record when a request arrives and writes it when the response
+has left (for a stream, after its last event). What the gateway learns on the way is
+noted on the record through a context variable, so the code that knows it (the route
+for the caller and model, billing for the buckets and the replica) needs no handle on
+the request: the route's task, its stream and billing's worker threads all see the
+context the middleware set.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from contextvars import ContextVar, Token
+from dataclasses import dataclass
+from typing import Any
+
+from .contract.billing import Buckets
+from .ledger import Charge
+from .tenants import KeyContext
+
+LOGGER = "cachepoint.requests"
+LOGGED_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
+
+log = logging.getLogger(LOGGER)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    request_id: str  # the request-id header's value
+    path: str  # /v1/messages or /v1/messages/count_tokens
+    started: float  # monotonic time the request arrived
+    org: str | None = None  # the caller's org id, once authenticated
+    key_id: str | None = None  # the API key's id (never the key)
+    model: str | None = None  # as the client named it
+    stream: bool | None = None  # the request's stream flag
+    replica: str | None = None  # the replica that served it, once billed
+    status: int | None = None  # the HTTP status sent
+    error_type: str | None = None  # the Anthropic error type, HTTP or SSE, if any
+    buckets: Buckets | None = None  # what was billed; None = nothing
+
+    def line(self, now: float) -> str:
+        b = self.buckets
+        fields: dict[str, Any] = {
+            "request_id": self.request_id,
+            "path": self.path,
+            "org": self.org,
+            "key_id": self.key_id,
+            "model": self.model,
+            "stream": self.stream,
+            "replica": self.replica,
+            "status": self.status,
+            "error_type": self.error_type,
+            "input_tokens": b.input_tokens if b else None,
+            "cache_read_input_tokens": b.cache_read_input_tokens if b else None,
+            "cache_write_5m_tokens": b.cache_write_5m_tokens if b else None,
+            "cache_write_1h_tokens": b.cache_write_1h_tokens if b else None,
+            "output_tokens": b.output_tokens if b else None,
+            "latency_ms": round((now - self.started) * 1000, 2),
+        }
+        return json.dumps(fields, separators=(",", ":"))
+
+
+_current: ContextVar[RequestRecord | None] = ContextVar("cachepoint_request", default=None)
+
+
+def begin(request_id: str, path: str) -> tuple[RequestRecord, Token[RequestRecord | None]]:
+    record = RequestRecord(request_id, path, time.monotonic())
+    return record, _current.set(record)
+
+
+def finish(record: RequestRecord, token: Token[RequestRecord | None]) -> None:
+    _current.reset(token)
+    if log.isEnabledFor(logging.INFO):
+        log.info(record.line(time.monotonic()))
+
+
+def note_caller(ctx: KeyContext) -> None:
+    record = _current.get()
+    if record is not None:
+        record.org, record.key_id = ctx.org_id, ctx.key_id
+
+
+def note_request(ctx: KeyContext, model: str, stream: bool) -> None:
+    """The route, once it knows who called and for what."""
+    record = _current.get()
+    if record is not None:
+        record.org, record.key_id = ctx.org_id, ctx.key_id
+        record.model, record.stream = model, stream
+
+
+def note_charge(charge: Charge) -> None:
+    """Billing, for the buckets and the replica that the ledger row holds."""
+    record = _current.get()
+    if record is not None:
+        record.buckets = charge.buckets
+        record.replica = charge.replica
+
+
+def to_stderr() -> None:
+    """Send the request lines to stderr whatever the process's log level (the
+    services' commands call this; the embedded stack keeps stderr in gateway.log)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False

@@ -1,0 +1,204 @@
+"""The SSE side of a streamed message: relays the replica's events, bills exactly the
+tokens the client was sent, and ends a broken stream with an SSE ``error`` event."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from fastapi.responses import StreamingResponse
+from opentelemetry import trace
+from opentelemetry.trace import Span
+
+from .accounting import bill, charge_of
+from .dispatch import Opened, error_of, reject_report, stream_broke
+from .errors import ApiError, envelope
+from .idempotency import Claim
+from .pipeline import Prepared, ReportLimits, UsageReportError, buckets_of, check_output, usage_of
+from .schemas.messages import MessagesRequest
+from .state import GatewayState
+from .tenants import KeyContext
+from .upstream import ReplicaStreamError
+
+log = logging.getLogger(__name__)
+
+
+def sse(event: str, data: dict[str, Any]) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+@dataclass(slots=True)
+class StreamJob:
+    """Everything one streamed message needs after its upstream prefill is done."""
+
+    state: GatewayState  # app state: ledger, router, metrics
+    ctx: KeyContext  # who pays
+    body: MessagesRequest  # the client's request
+    rid: str  # the gateway's request id (the ledger's idempotency key too)
+    prepared: Prepared  # rendered prompt and cache plan
+    limits: ReportLimits  # what the replica's report must agree with
+    opened: Opened  # the upstream stream, past its prefill
+    headers: dict[str, str]  # response headers (scope, replica)
+    t_start: float  # perf_counter at request start
+    t_open: float  # perf_counter when the upstream was opened
+    claim: Claim | None  # the idempotency key held, if the client sent one
+    server: Span = field(default_factory=trace.get_current_span)  # the request's span
+
+
+@dataclass(slots=True)
+class _Progress:
+    delivered: int = 0  # tokens whose text has been handed to the client
+    pending: int = 0  # tokens received whose text has not gone out yet (empty deltas)
+    billed: bool = False  # the ledger row is written (or deliberately skipped)
+    ok: bool = False  # the stream reached message_stop
+
+
+def respond(job: StreamJob) -> StreamingResponse:
+    return StreamingResponse(_relay(job), media_type="text/event-stream", headers=job.headers)
+
+
+async def _relay(job: StreamJob) -> AsyncIterator[bytes]:
+    state, opened, rid = job.state, job.opened, job.rid
+    cache = opened.cache
+    msg_id = f"msg_{rid.removeprefix('req_')}"
+    now = time.perf_counter()
+    state.metrics.ttft.observe(now - job.t_open)
+    waited = now - job.t_open  # seconds spent waiting on the replica
+    progress = _Progress()
+    recorded: list[bytes] | None = [] if job.claim is not None else None
+
+    async def charge(out_tokens: int) -> None:
+        if not progress.billed:
+            progress.billed = True
+            b = buckets_of(cache, out_tokens, job.limits)
+            row = charge_of(rid, job.ctx, job.body, opened.replica.name, job.prepared, b)
+            await bill(state, row, job.server)
+
+    def out(chunk: bytes) -> bytes:
+        if recorded is not None:
+            recorded.append(chunk)
+        return chunk
+
+    try:
+        start_usage = usage_of(buckets_of(cache, 0, job.limits)).model_dump()
+        yield out(
+            sse(
+                "message_start",
+                {
+                    "type": "message_start",
+                    "message": {
+                        "id": msg_id,
+                        "type": "message",
+                        "role": "assistant",
+                        "content": [],
+                        "model": job.body.model,
+                        "stop_reason": None,
+                        "stop_sequence": None,
+                        "usage": start_usage,
+                    },
+                },
+            )
+        )
+        yield out(
+            sse(
+                "content_block_start",
+                {
+                    "type": "content_block_start",
+                    "index": 0,
+                    "content_block": {"type": "text", "text": ""},
+                },
+            )
+        )
+        yield out(sse("ping", {"type": "ping"}))
+        final: dict[str, Any] | None = None
+        while final is None:
+            t = time.perf_counter()
+            try:
+                ev = await anext(opened.events)
+            except StopAsyncIteration:
+                raise ApiError(500, "api_error", "replica stream ended early") from None
+            finally:
+                waited += time.perf_counter() - t
+            kind = ev.get("type")
+            if kind == "token":
+                progress.pending += 1
+                check_output(progress.delivered + progress.pending, job.limits)
+                text = ev.get("text")
+                if text:
+                    delta = {"type": "text_delta", "text": str(text)}
+                    yield out(
+                        sse(
+                            "content_block_delta",
+                            {"type": "content_block_delta", "index": 0, "delta": delta},
+                        )
+                    )
+                    # NOTE: a generator resumes after `yield` only once the server has
+                    # taken the chunk: from here these tokens count as delivered.
+                    progress.delivered += progress.pending
+                    progress.pending = 0
+            elif kind == "done":
+                final = ev.get("response")
+                if not isinstance(final, dict):
+                    raise UsageReportError("done event without a response")
+            elif kind == "error":
+                raise error_of(ev)
+        out_tokens = final.get("output_tokens")
+        if out_tokens != progress.delivered + progress.pending:
+            raise UsageReportError(
+                f"final output_tokens {out_tokens!r} after "
+                f"{progress.delivered + progress.pending} token events"
+            )
+        yield out(sse("content_block_stop", {"type": "content_block_stop", "index": 0}))
+        # NOTE: billed before the final usage leaves: the request id makes it once only.
+        await charge(out_tokens)
+        usage = usage_of(buckets_of(cache, out_tokens, job.limits)).model_dump()
+        usage.pop("cache_creation")
+        yield out(
+            sse(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {
+                        "stop_reason": final.get("stop_reason"),
+                        "stop_sequence": final.get("stop_sequence"),
+                    },
+                    "usage": usage,
+                },
+            )
+        )
+        yield out(sse("message_stop", {"type": "message_stop"}))
+        progress.ok = True
+        metrics = state.metrics
+        metrics.upstream_seconds.observe(waited)
+        metrics.overhead.observe(time.perf_counter() - job.t_start - waited)
+        metrics.requests.labels("ok").inc()
+    except UsageReportError as exc:
+        # Nothing is billed from a report that cannot be true.
+        progress.billed = True
+        reject_report(state, opened.replica.name, exc)
+        yield sse("error", envelope(exc.kind, exc.message, rid))
+    except ApiError as exc:
+        if isinstance(exc, ReplicaStreamError):
+            stream_broke(state, opened.replica.name, exc)
+        else:
+            log.warning("stream %s failed on %s: %s", rid, opened.replica.name, exc.message)
+        await charge(progress.delivered)
+        yield sse("error", envelope(exc.kind, exc.message, rid))
+    finally:
+        # Reached on every exit: normal end, error, or the client hanging up (then
+        # this runs under cancellation, hence the shields). A client that went away
+        # pays for the tokens it was sent.
+        with anyio.CancelScope(shield=True):
+            if not progress.billed:
+                await charge(progress.delivered)
+            await opened.stack.aclose()
+            if job.claim is not None:
+                if progress.ok and recorded is not None:
+                    await job.claim.complete(200, job.headers, b"".join(recorded), "sse")
+                else:
+                    await job.claim.release()

@@ -1,0 +1,479 @@
+"""Exactly-once billing on the request path (issue 12, findings 2, 3 and 5).
+
+The gateway runs for real (uvicorn, SQLite or PostgreSQL ledger) with the official SDK
+as its client. Its replica is scripted: a small app that speaks the replica API with
+chosen token texts, a chosen pace, or a forged usage report, and records how many
+token events it actually wrote per request; or a raw socket server that starts a
+stream and then resets the connection, as a replica killed mid-stream does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import anthropic
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from sqlalchemy import text, update
+
+from cachepoint.gateway.app import create_app
+from cachepoint.gateway.db.migrate import upgrade
+from cachepoint.gateway.db.models import IdempotencyRecord
+from cachepoint.gateway.db.session import make_engine, make_sessionmaker
+from cachepoint.gateway.settings import GatewaySettings
+from cachepoint.gateway.tenants import create_key, create_org
+from cachepoint.gateway.upstream import ReplicaClient, Routed
+
+MODEL = "cachepoint-tiny"
+MSGS = [{"role": "user", "content": "Tell me about kettles."}]
+
+
+# ------------------------------------------------------------------ scripted replica
+
+
+@dataclass
+class Script:
+    """How the scripted replica answers, and what it saw."""
+
+    texts: list[str] = field(default_factory=lambda: ["ab"])  # token texts, cycled
+    delay_s: float = 0.0  # before each token event
+    cache: dict[str, Any] = field(default_factory=dict)  # forged cache report fields
+    extra_tokens: int = 0  # token events beyond max_tokens (a forged count)
+    final_delta: int = 0  # added to the final output_tokens (a forged count)
+    calls: int = 0  # generate calls
+    sent: dict[str, int] = field(default_factory=dict)  # request id -> token events written
+    finished: set[str] = field(default_factory=set)  # request ids streamed to the end
+
+
+def scripted_replica(script: Script) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/v1/generate")
+    async def generate(request: Request) -> Any:
+        body = await request.json()
+        script.calls += 1
+        rid = body["request_id"]
+        n = body["max_tokens"] + script.extra_tokens
+        prompt = len(body["token_ids"])
+        cache = {
+            "prompt_tokens": prompt,
+            "engine_hit_tokens": 0,
+            "computed_tokens": prompt,
+            "entry_hit_tokens": 0,
+            "entry_hit_lookback": None,
+            "written_5m_tokens": 0,
+            "written_1h_tokens": 0,
+            "retention_refused": False,
+            "refusal_reason": None,
+            **script.cache,
+        }
+        texts = [script.texts[i % len(script.texts)] for i in range(n)]
+        result = {
+            "request_id": rid,
+            "replica": "fake",
+            "epoch": 1,
+            "model": MODEL,
+            "output_token_ids": list(range(n)),
+            "text": "".join(texts),
+            "stop_reason": "max_tokens",
+            "stop_sequence": None,
+            "output_tokens": n + script.final_delta,
+            "cache": cache,
+            "timings": {"queue_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "ttft_s": 0.0},
+        }
+        if not body.get("stream"):  # the replica's plain answer: after the whole generation
+            await asyncio.sleep(script.delay_s * n)
+            script.sent[rid] = n
+            script.finished.add(rid)
+            return result
+
+        def line(obj: object) -> bytes:
+            return (json.dumps(obj) + "\n").encode()
+
+        async def lines() -> Any:
+            script.sent[rid] = 0
+            yield line({"type": "prefill_done", "cache": cache})
+            for i, t in enumerate(texts):
+                if script.delay_s:
+                    await asyncio.sleep(script.delay_s)
+                yield line({"type": "token", "token_id": i, "text": t})
+                script.sent[rid] += 1  # resumed: the server took the line
+            yield line({"type": "done", "response": result})
+            script.finished.add(rid)
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    return app
+
+
+class StaticRouter:
+    """Every request to one replica; remembers the replicas reported as failed."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.client: ReplicaClient | None = None
+        self.failures: list[str] = []
+
+    def pick(self, req: Any) -> Routed:
+        if self.client is None:  # NOTE: made lazily, on the gateway's own event loop
+            self.client = ReplicaClient("fake", self.url, httpx.AsyncClient(timeout=30))
+        return Routed(self.client, None)
+
+    def report_failure(self, name: str) -> None:
+        self.failures.append(name)
+
+    def freshness_s(self, name: str) -> float | None:
+        return None
+
+
+@dataclass
+class Gateway:
+    url: str  # base URL
+    db: str  # ledger URL
+    keys: dict[str, str]  # "a", "b": API keys of two orgs
+    router: StaticRouter
+
+    def client(self, who: str = "a", **kw: Any) -> anthropic.Anthropic:
+        kw.setdefault("max_retries", 0)
+        return anthropic.Anthropic(base_url=self.url, api_key=self.keys[who], **kw)
+
+    def rows(self) -> list[Any]:
+        engine = make_engine(self.db)
+        try:
+            with engine.connect() as conn:
+                q = "SELECT request_id, output_tokens, input_tokens FROM usage"
+                return list(conn.execute(text(q)))
+        finally:
+            engine.dispose()
+
+    def wait_rows(self, n: int, timeout: float = 10.0) -> list[Any]:
+        deadline = time.time() + timeout
+        while len(rows := self.rows()) < n and time.time() < deadline:
+            time.sleep(0.05)
+        return rows
+
+
+def _seed(db: str) -> dict[str, str]:
+    engine = make_engine(db)
+    upgrade(engine)
+    keys = {}
+    with make_sessionmaker(engine)() as s:
+        for name in ("a", "b"):
+            keys[name] = create_key(s, create_org(s, name))[1]
+        s.commit()
+    engine.dispose()
+    return keys
+
+
+@pytest.fixture
+def gateway_for(serve, tmp_path):
+    def make(script: Script, db: str | None = None, **settings: Any) -> Gateway:
+        db = db or f"sqlite:///{tmp_path}/gw-{uuid.uuid4().hex[:6]}.db"
+        keys = _seed(db)
+        router = StaticRouter(serve(scripted_replica(script)))
+        gw_settings = GatewaySettings(database_url=db, **settings)
+        url = serve(create_app(gw_settings, router=router))
+        return Gateway(url, db, keys, router)
+
+    return make
+
+
+# ------------------------------------------------------------------ idempotency keys
+
+
+def _post(gw: Gateway, key: str | None, who: str = "a", **body: Any) -> httpx.Response:
+    headers = {"x-api-key": gw.keys[who], "anthropic-version": "2023-06-01"}
+    if key is not None:
+        headers["idempotency-key"] = key
+    payload = {"model": MODEL, "max_tokens": 5, "messages": MSGS, **body}
+    return httpx.post(f"{gw.url}/v1/messages", json=payload, headers=headers, timeout=30)
+
+
+def test_idempotency_key_replays_the_first_result_and_bills_once(gateway_for, db_url):
+    script = Script(delay_s=0.05)
+    gw = gateway_for(script, db_url)
+    first = _post(gw, "k-1")
+    assert first.status_code == 200, first.text
+    again = _post(gw, "k-1")
+    assert again.status_code == 200
+    assert again.content == first.content  # same message id, text and usage
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.headers["cachepoint-original-request-id"] == first.headers["request-id"]
+    assert again.headers["cachepoint-replica"] == first.headers["cachepoint-replica"]
+    assert script.calls == 1
+    assert [r.output_tokens for r in gw.rows()] == [5]
+
+    # Same key, different body: refused plainly, nothing generated.
+    other = _post(gw, "k-1", max_tokens=6)
+    assert other.status_code == 400
+    err = other.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    assert "idempotency-key" in err["message"] and "different request body" in err["message"]
+    # The key is per API key: another org's identical key is its own request.
+    theirs = _post(gw, "k-1", who="b")
+    assert theirs.status_code == 200
+    assert theirs.json()["id"] != first.json()["id"]
+    # Concurrent duplicates while the first is in flight wait for it, then replay it.
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: _post(gw, "k-2"), range(4)))
+    assert {a.status_code for a in answers} == {200}
+    assert len({a.content for a in answers}) == 1
+    assert sum(a.headers.get("idempotent-replayed") == "true" for a in answers) == 3
+    assert script.calls == 3
+    assert len(gw.rows()) == 3
+
+
+def test_idempotency_key_expires_after_24h_and_bad_keys_are_refused(gateway_for):
+    script = Script()
+    gw = gateway_for(script)
+    first = _post(gw, "k-old")
+    engine = make_engine(gw.db)
+    with engine.begin() as conn:
+        old = int(time.time()) - 24 * 3600 - 5
+        conn.execute(update(IdempotencyRecord).values(created_s=old))
+    engine.dispose()
+    fresh = _post(gw, "k-old")
+    assert fresh.status_code == 200
+    assert fresh.json()["id"] != first.json()["id"]
+    assert "idempotent-replayed" not in fresh.headers
+    assert script.calls == 2
+    bad = _post(gw, "x" * 256)
+    assert bad.status_code == 400 and "idempotency-key" in bad.json()["error"]["message"]
+
+
+def test_idempotency_duplicate_waits_at_most_the_upstream_timeout_then_gets_409(gateway_for):
+    # The first request generates for 2 s; a duplicate waits 1 s (upstream_timeout_s).
+    script = Script(delay_s=0.04)
+    gw = gateway_for(script, upstream_timeout_s=1.0)
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(_post, gw, "k-slow", max_tokens=50)
+        time.sleep(0.3)
+        t0 = time.time()
+        dup = _post(gw, "k-slow", max_tokens=50)
+        waited = time.time() - t0
+        assert first.result().status_code == 200
+    assert dup.status_code == 409
+    assert dup.json()["error"]["type"] == "invalid_request_error"
+    assert "still in progress" in dup.json()["error"]["message"]
+    assert 0.9 < waited < 1.8
+    after = _post(gw, "k-slow", max_tokens=50)
+    assert after.content == first.result().content
+    assert script.calls == 1
+    assert [r.output_tokens for r in gw.rows()] == [50]
+
+
+def test_idempotency_key_replays_a_stream(gateway_for):
+    script = Script(texts=["x", "y"])
+    gw = gateway_for(script)
+    c = gw.client(default_headers={"idempotency-key": "k-stream"})
+    runs = []
+    for _ in range(2):
+        with c.messages.stream(model=MODEL, max_tokens=4, messages=MSGS) as stream:
+            events = [(e.type, getattr(e, "index", None)) for e in stream]
+            runs.append((events, stream.get_final_message()))
+    assert runs[0][0] == runs[1][0]
+    assert runs[0][1].id == runs[1][1].id
+    assert runs[1][1].content[0].text == "xyxy"
+    assert runs[1][1].usage.output_tokens == 4
+    assert script.calls == 1
+    assert len(gw.rows()) == 1
+
+
+# ------------------------------------------------------- disconnects and SDK retries
+
+
+def test_retry_storm_without_key_bills_only_what_each_attempt_generated(gateway_for):
+    # 300 tokens at 20 ms: 6 s of generation against a 2 s client timeout, 2 retries.
+    script = Script(delay_s=0.02)
+    gw = gateway_for(script)
+    c = gw.client(timeout=2.0, max_retries=2)
+    t0 = time.time()
+    with pytest.raises(anthropic.APITimeoutError):
+        c.messages.create(model=MODEL, max_tokens=300, messages=MSGS)
+    assert time.time() - t0 < 12
+    rows = gw.wait_rows(3)
+    assert len(rows) == 3  # one per attempt: each attempt did generate something
+    time.sleep(0.5)  # let the replica notice the last hang-up
+    for r in rows:
+        sent = script.sent[r.request_id]
+        assert r.request_id not in script.finished, "the generation was not stopped"
+        # NOTE: a token line in flight when the gateway closes the connection was
+        # written by the replica but never read: it cannot be billed.
+        assert sent - 1 <= r.output_tokens <= sent
+        assert 0 < r.output_tokens < 300
+
+
+def test_retry_storm_with_key_generates_and_bills_once(gateway_for):
+    # 3 s of generation against a 2 s timeout: the first attempt times out, the
+    # generation goes on, and the retry with the same key receives its result.
+    script = Script(delay_s=0.02)
+    gw = gateway_for(script)
+    c = gw.client(timeout=2.0, max_retries=2)
+    msg = c.messages.create(
+        model=MODEL,
+        max_tokens=150,
+        messages=MSGS,
+        extra_headers={"idempotency-key": f"retry-{uuid.uuid4()}"},
+    )
+    assert msg.usage.output_tokens == 150
+    assert script.calls == 1
+    rows = gw.rows()
+    assert [r.output_tokens for r in rows] == [150]
+
+
+# --------------------------------------------------------------- usage report checks
+
+
+@pytest.mark.parametrize(
+    "forge",
+    [
+        {"cache": {"prompt_tokens": 10_000_000}},
+        {"cache": {"written_1h_tokens": 10_000_000, "prompt_tokens": None}},
+        {"cache": {"entry_hit_tokens": -3}},
+        {"cache": {"written_5m_tokens": 1.5}},
+        {"extra_tokens": 1000},
+        {"final_delta": 1_000_000},
+    ],
+    ids=["prompt", "buckets-overflow", "negative", "non-integer", "output-tokens", "final"],
+)
+@pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])
+def test_forged_usage_reports_are_refused_unbilled(gateway_for, forge, stream):
+    script = Script(**{k: v for k, v in forge.items() if k != "cache"})
+    script.cache = {k: v for k, v in forge.get("cache", {}).items() if v is not None}
+    gw = gateway_for(script)
+    c = gw.client()
+
+    def call() -> None:
+        if stream:
+            with c.messages.stream(model=MODEL, max_tokens=4, messages=MSGS) as s:
+                s.until_done()
+        else:
+            c.messages.create(model=MODEL, max_tokens=4, messages=MSGS)
+
+    with pytest.raises(anthropic.APIStatusError) as info:
+        call()
+    body = info.value.body
+    assert isinstance(body, dict) and body["error"]["type"] == "api_error"
+    assert "usage report" in body["error"]["message"]
+    assert gw.rows() == []
+    assert gw.router.failures == ["fake"]
+
+
+# ------------------------------------------------------------ a replica dies mid-stream
+
+
+class DyingReplica:
+    """Starts a /v1/generate stream, writes `after` token events and resets the
+    connection: what the gateway sees when a replica is killed mid-stream."""
+
+    def __init__(self, texts: list[str], after: int) -> None:
+        self.texts = texts
+        self.after = after
+        self.loop = asyncio.new_event_loop()
+        self.url = ""
+
+    def __enter__(self) -> DyingReplica:
+        ready = threading.Event()
+
+        async def main() -> None:
+            server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+            self.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+            ready.set()
+
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        asyncio.run_coroutine_threadsafe(main(), self.loop)
+        ready.wait(5)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = (await reader.readuntil(b"\r\n\r\n")).decode().lower()
+        length = int(head.split("content-length:")[1].split("\r\n")[0])
+        body = json.loads(await reader.readexactly(length))
+        n = len(body["token_ids"])
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
+
+        def chunk(obj: object) -> None:
+            data = (json.dumps(obj) + "\n").encode()
+            writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+        cache = {"prompt_tokens": n, "entry_hit_tokens": 0, "written_5m_tokens": 0}
+        chunk({"type": "prefill_done", "cache": {**cache, "written_1h_tokens": 0}})
+        for i in range(self.after):
+            chunk({"type": "token", "token_id": i, "text": self.texts[i % len(self.texts)]})
+            await writer.drain()
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.1)
+        writer.transport.abort()  # RST, no final chunk: the process is gone
+
+
+@pytest.fixture
+def log_records() -> Iterator[list[logging.LogRecord]]:
+    """Everything logged, uvicorn's own loggers included (they do not propagate)."""
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Keep(logging.DEBUG)
+    loggers = [
+        logging.getLogger(),
+        logging.getLogger("uvicorn"),
+        logging.getLogger("uvicorn.error"),
+    ]
+    for lg in loggers:
+        lg.addHandler(handler)
+    yield records
+    for lg in loggers:
+        lg.removeHandler(handler)
+
+
+def test_replica_killed_mid_stream_ends_with_an_error_event_billed_as_delivered(
+    serve, tmp_path, log_records
+):
+    # A byte tokenizer sends a 3-byte character as two empty deltas and the character:
+    # after 17 tokens the client has 5 characters (15 tokens) and 2 tokens are held.
+    with DyingReplica(["", "", "€"], after=17) as replica:
+        db = f"sqlite:///{tmp_path}/gw.db"
+        keys = _seed(db)
+        router = StaticRouter(replica.url)
+        url = serve(create_app(GatewaySettings(database_url=db), router=router))
+        gw = Gateway(url, db, keys, router)
+        received: list[str] = []
+
+        def read() -> None:
+            with gw.client().messages.stream(model=MODEL, max_tokens=100, messages=MSGS) as s:
+                received.extend(s.text_stream)
+
+        with pytest.raises(anthropic.APIStatusError) as info:
+            read()
+    body = info.value.body
+    assert isinstance(body, dict) and body["type"] == "error"
+    assert body["error"]["type"] == "api_error"
+    assert "stream failed" in body["error"]["message"]
+    text_received = "".join(received)
+    assert text_received == "€" * 5
+    rows = gw.wait_rows(1)
+    assert [r.output_tokens for r in rows] == [len(text_received.encode())] == [15]
+    assert router.failures == ["fake"]
+    tracebacks = [r for r in log_records if r.exc_info and r.levelno >= logging.ERROR]
+    assert tracebacks == []
+    warnings = [r.getMessage() for r in log_records if r.name.startswith("cachepoint.gateway")]
+    assert any("stream failed" in m for m in warnings)
