@@ -152,7 +152,8 @@ class ChaosResult:
     # NOTE: a failed stream's client knows its deltas, not its tokens: one delta may
     # carry several tokens (text that only completes a character later), so its row
     # is checked to lie between the deltas and max_tokens, not to equal them.
-    failed_stream_output: dict[str, int]  # failed streams: count, deltas seen, tokens billed
+    # failed streams: count, deltas seen, tokens billed; ok streams: deltas, tokens
+    failed_stream_output: dict[str, int]
     usage_mismatches: list[dict[str, Any]]  # rows that differ from what the client saw
     billed_failures: list[str]  # request ids billed although the client got an error first
     duplicates: list[str]  # logical calls with more than one ledger row
@@ -480,7 +481,7 @@ def _audit(
     mismatches: list[dict[str, Any]] = []
     billed_failures: list[str] = []
     client = dict.fromkeys(BUCKETS, 0)
-    failed_streams = {"streams": 0, "deltas": 0, "billed": 0}
+    failed_streams = {"streams": 0, "deltas": 0, "billed": 0, "ok_deltas": 0, "ok_tokens": 0}
     for c in calls:
         for rid, status in attempts.get(c.call_id, []):
             # An attempt answered with an HTTP error status never delivered usage.
@@ -496,6 +497,9 @@ def _audit(
             continue
         if c.complete:
             diff = {b: (c.usage[b], row[b]) for b in BUCKETS if c.usage[b] != row[b]}
+            if c.stream:  # the deltas-per-token of streams that ended well, for scale
+                failed_streams["ok_deltas"] += c.deltas
+                failed_streams["ok_tokens"] += c.usage["output"]
         else:
             failed_streams["streams"] += 1
             failed_streams["deltas"] += c.deltas
@@ -696,6 +700,7 @@ def print_result(r: ChaosResult, console: Console) -> None:
         "failed streams: deltas seen / tokens billed",
         f"{fs['streams']}: {fs['deltas']} / {fs['billed']}",
     )
+    t.add_row("ok streams: deltas / tokens", f"{fs['ok_deltas']} / {fs['ok_tokens']}")
     t.add_row("ledger rows", str(r.ledger_rows))
     t.add_row("usage mismatches", str(len(r.usage_mismatches)))
     t.add_row("billed failed attempts", str(len(r.billed_failures)))

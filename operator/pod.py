@@ -71,6 +71,7 @@ def build_replica_env(
         "BLOCK_SIZE": spec.kv.block_size,
         "GPU_MEMORY_UTILIZATION": spec.kv.gpu_memory_utilization,
         "RETAINED_SHARE": spec.kv.retained_share,
+        "ORG_RETAINED_SHARE": spec.kv.org_retained_share,
         "EVICTION": spec.kv.eviction,
         "KV_CACHE_BYTES": spec.kv.cache_bytes,
         "MAX_MODEL_LEN": spec.model.max_model_len,

@@ -56,6 +56,8 @@ class KVSpec(_Spec):
     block_size: int = Field(16, ge=1, le=1024)
     gpu_memory_utilization: float = Field(0.9, ge=0.01, le=1.0)
     retained_share: float = Field(0.5, ge=0.0, le=1.0)
+    # Each org's share of the retained budget unless its org row says otherwise.
+    org_retained_share: float = Field(0.5, ge=0.0, le=1.0)
     eviction: EvictionName | None = None  # None: the replica's own default
     min_cacheable_tokens: int = Field(1024, ge=0)
     cache_bytes: int | str | None = None

@@ -51,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, help="share of free GPU memory")
     p.add_argument("--retained-share", type=float, help="max share of blocks under TTL")
     p.add_argument(
+        "--org-retained-share",
+        type=float,
+        help="share of the retained budget one org may hold unless the gateway sends the "
+        "org's own (default 0.5; 1 = no per-org limit)",
+    )
+    p.add_argument(
         "--eviction",
         choices=list(EVICTION_POLICIES),
         help=f"which cached free block goes first (default {DEFAULT_EVICTION}; docs/kvcore.md)",

@@ -43,6 +43,18 @@ class _PoolCollector(Collector):
             "cachepoint_retention_refusals", "Retains refused by the share cap", labels=labels
         )
         refusals.add_metric(value, st.retain_refusals)
+        quota = CounterMetricFamily(
+            "cachepoint_retention_quota_refusals",
+            "Retains refused by a tenant's retention quota (part of the refusals)",
+            labels=labels,
+        )
+        quota.add_metric(value, st.quota_refusals)
+        # NOTE: a count, never per-tenant series: replica /metrics are open to scrapers
+        # and must not name orgs.
+        owners = GaugeMetricFamily(
+            "cachepoint_retention_owners", "Tenants holding retained blocks", labels=labels
+        )
+        owners.add_metric(value, st.blocks.retained_owners)
         blocks = GaugeMetricFamily(
             "cachepoint_kv_blocks", "KV blocks by state", labels=["replica", "state"]
         )
@@ -67,7 +79,18 @@ class _PoolCollector(Collector):
             "cachepoint_replica_epoch", "Epoch of this process", labels=labels
         )
         epoch.add_metric(value, s.epoch)
-        yield from (queries, hits, evictions, refusals, blocks, entries, queue, epoch)
+        yield from (
+            queries,
+            hits,
+            evictions,
+            refusals,
+            quota,
+            owners,
+            blocks,
+            entries,
+            queue,
+            epoch,
+        )
 
 
 class ReplicaMetrics:

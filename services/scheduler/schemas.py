@@ -128,6 +128,7 @@ class BlockStats(BaseModel):
     empty: int
     retained: int
     max_retained: int
+    retained_owners: int = 0  # tenants holding at least one retained block
 
 
 class StatsResponse(BaseModel):
@@ -143,6 +144,7 @@ class StatsResponse(BaseModel):
     hit_rate: float
     evictions: int
     retain_refusals: int
+    quota_refusals: int = 0  # of retain_refusals, refused by a tenant's retention quota
     waiting: int
     running: int
     queued_prefill_tokens: int

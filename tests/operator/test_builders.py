@@ -96,8 +96,10 @@ def test_gpus_are_requested_and_limited_alike() -> None:
 
 
 def test_env_carries_the_replica_settings_nats_and_otlp() -> None:
-    env = env_of(pod(make_spec(tensorParallelSize=2, gpusPerPod=2, kv={"blockSize": 32})))
+    kv = {"blockSize": 32, "orgRetainedShare": 0.25}
+    env = env_of(pod(make_spec(tensorParallelSize=2, gpusPerPod=2, kv=kv)))
     assert env["CACHEPOINT_REPLICA_TENSOR_PARALLEL_SIZE"] == "2"
+    assert env["CACHEPOINT_REPLICA_ORG_RETAINED_SHARE"] == "0.25"
     assert env["CACHEPOINT_REPLICA_BLOCK_SIZE"] == "32"
     assert env["CACHEPOINT_REPLICA_GPU_MEMORY_UTILIZATION"] == "0.9"
     assert env["CACHEPOINT_REPLICA_HOST"] == "0.0.0.0"

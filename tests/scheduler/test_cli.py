@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,7 +16,7 @@ CMD = [sys.executable, "-m", "cachepoint.scheduler.cli"]
 
 def test_cli_help_explains_flags():
     out = subprocess.run([*CMD, "--help"], capture_output=True, text=True, check=True).stdout
-    for flag in ("--name", "--port", "--model-dir", "--tp", "--kv-budget"):
+    for flag in ("--name", "--port", "--model-dir", "--tp", "--kv-budget", "--org-retained-share"):
         assert flag in out
 
 
@@ -27,6 +28,9 @@ def test_cli_bad_flags_are_clear_errors(tmp_path):
     assert r.returncode == 2
     assert "no config.json" in r.stderr
     assert "Traceback" not in r.stderr
+    r = subprocess.run([*CMD, "--org-retained-share", "2"], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "org_retained_share: Input should be less than or equal to 1" in r.stderr
 
 
 def test_cli_serves_generate_and_stats_then_stops_on_sigterm(free_port):
@@ -63,3 +67,14 @@ def test_cli_serves_generate_and_stats_then_stops_on_sigterm(free_port):
     assert proc.returncode in (0, -signal.SIGTERM), out
     assert "Application shutdown complete" in out
     assert "Traceback" not in out
+    # The log is JSON lines (issue 12): startup, then one line per finished request.
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    started = next(line for line in lines if line.get("event") == "replica_started")
+    assert started["replica"] == "cli-r" and started["model"] == "cachepoint-tiny"
+    assert started["blocks"] > 0 and isinstance(started["epoch"], int)
+    (request,) = [line for line in lines if line.get("event") == "request"]
+    assert request["status"] == "ok" and request["error_type"] is None
+    assert request["stop_reason"] == "max_tokens"
+    assert request["prompt_tokens"] == 40 and request["output_tokens"] == 3
+    assert request["engine_hit_tokens"] == 0 and request["written_5m_tokens"] == 0
+    assert request["queue_s"] >= 0 and request["prefill_s"] > 0 and request["decode_s"] > 0

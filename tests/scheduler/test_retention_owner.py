@@ -97,6 +97,14 @@ def test_api_reports_a_quota_refusal_and_spares_other_orgs(base_url: str):
     assert _generate(base_url, 204)["written_1h_tokens"] == 300
     stats = httpx.get(f"{base_url}/v1/stats").json()
     assert stats["blocks"]["retained"] == 3 * 18
+    # Operators see the quota at work: org a, org b and the no-owner tenant hold blocks;
+    # org a's and org c's refusals were the quota's.
+    assert stats["blocks"]["retained_owners"] == 3
+    assert stats["quota_refusals"] == stats["retain_refusals"] == 2
+    scraped = httpx.get(f"{base_url}/metrics").text
+    assert 'cachepoint_retention_quota_refusals_total{replica="r-quota"} 2.0' in scraped
+    assert 'cachepoint_retention_owners{replica="r-quota"} 3.0' in scraped
+    assert "org:a" not in scraped  # open to scrapers: never a tenant's name
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ from cachepoint.scheduler.scheduler import StepBatch
 from cachepoint.scheduler.settings import ReplicaSettings
 from cachepoint.scheduler.watchdog import EXIT_LOOP_DIED, FAULT_ENV
 
+CMD = [sys.executable, "-m", "cachepoint.scheduler.cli"]
 PROMPT = list(range(1, 61))
 LONG = {"token_ids": PROMPT, "max_tokens": 1500, "ignore_eos": True}
 
@@ -142,9 +143,9 @@ def _json_lines(text: str) -> list[dict[str, object]]:
 
 def test_cli_exits_non_zero_when_its_scheduler_loop_dies(free_port):
     port = free_port()
+    flags = ["--name", "cli-dies", "--port", str(port), "--kv-budget", "16MiB"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cachepoint.scheduler.cli", "--name", "cli-dies"]
-        + ["--port", str(port), "--kv-budget", "16MiB", "--log-level", "warning"],
+        [*CMD, *flags, "--log-level", "warning"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
