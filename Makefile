@@ -58,6 +58,7 @@ bench: $(STAMP)  ## run every benchmark (minutes; never part of `make test`)
 	$(PY) bench/gateway_bench.py
 	$(PY) bench/routing_bench.py
 	$(PY) bench/tracing_bench.py --sessions 8
+	$(PY) bench/chaos_bench.py
 	$(VENV)/bin/cachepoint sim report
 
 clean:  ## remove the venv and caches

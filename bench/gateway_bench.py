@@ -136,6 +136,8 @@ def main() -> None:
             "warning",
         ],
         env=env,
+        # Its request log (a JSON line per request) goes to a file, as in the stack.
+        stderr=open(tmp / "gateway.log", "wb"),  # noqa: SIM115 - the child owns it
     )
     rurl, gurl = f"http://127.0.0.1:{rport}", f"http://127.0.0.1:{gport}"
     try:

@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cachepoint.events.subjects import check_replica_name
 from cachepoint.routing import DEFAULT_POLICY
+from cachepoint.serve import shared_env
 
 DEFAULT_DB = "sqlite:///.cachepoint/cachepoint.db"
 
@@ -43,23 +44,17 @@ class GatewaySettings(BaseSettings):
     )
     nats_url: str | None = Field(
         None,
-        validation_alias=AliasChoices(
-            "nats_url", "CACHEPOINT_GATEWAY_NATS_URL", "CACHEPOINT_NATS_URL"
-        ),
+        validation_alias=shared_env("nats_url", "GATEWAY"),
         description="NATS for kv events and heartbeats; None = load-only routing",
     )
     nats_user: str | None = Field(
         None,
-        validation_alias=AliasChoices(
-            "nats_user", "CACHEPOINT_GATEWAY_NATS_USER", "CACHEPOINT_NATS_USER"
-        ),
+        validation_alias=shared_env("nats_user", "GATEWAY"),
         description="NATS user ('gateway' in generated configs); None = connect without auth",
     )
     nats_password: SecretStr | None = Field(
         None,
-        validation_alias=AliasChoices(
-            "nats_password", "CACHEPOINT_GATEWAY_NATS_PASSWORD", "CACHEPOINT_NATS_PASSWORD"
-        ),
+        validation_alias=shared_env("nats_password", "GATEWAY"),
         description="NATS password for nats_user",
     )
     replicas: dict[str, str] = Field(
@@ -104,9 +99,7 @@ class GatewaySettings(BaseSettings):
     heartbeat_interval_s: float = Field(1.0, gt=0, description="the replicas' heartbeat period")
     internal_token: SecretStr | None = Field(
         None,
-        validation_alias=AliasChoices(
-            "internal_token", "CACHEPOINT_GATEWAY_INTERNAL_TOKEN", "CACHEPOINT_INTERNAL_TOKEN"
-        ),
+        validation_alias=shared_env("internal_token", "GATEWAY"),
         description="bearer token sent on every call to a replica; None = none sent",
     )
     models: list[str] = Field(

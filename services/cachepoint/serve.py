@@ -13,10 +13,18 @@ import threading
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
-from pydantic import ValidationError
+from pydantic import AliasChoices, ValidationError
 from pydantic_settings import BaseSettings
 
 S = TypeVar("S", bound=BaseSettings)
+
+
+def shared_env(field: str, service: str) -> AliasChoices:
+    """Read ``field`` from its own name, CACHEPOINT_<SERVICE>_<FIELD>, or the fleet-wide
+    CACHEPOINT_<FIELD> that the gateway and the replicas share (NATS URL, credentials,
+    the internal token): one env var configures a whole pod or embedded stack."""
+    env = field.upper()
+    return AliasChoices(field, f"CACHEPOINT_{service}_{env}", f"CACHEPOINT_{env}")
 
 
 def settings_from_flags(

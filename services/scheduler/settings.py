@@ -5,11 +5,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cachepoint.events.subjects import check_replica_name
 from cachepoint.kvcore import DEFAULT_EVICTION, EVICTION_POLICIES
+from cachepoint.serve import shared_env
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20}
 _UNITS |= {"mib": 2**20, "g": 2**30, "gb": 2**30, "gib": 2**30}
@@ -63,23 +64,17 @@ class ReplicaSettings(BaseSettings):
     max_waiting: int = Field(256, ge=0, description="queued requests before 429")
     nats_url: str | None = Field(
         None,
-        validation_alias=AliasChoices(
-            "nats_url", "CACHEPOINT_REPLICA_NATS_URL", "CACHEPOINT_NATS_URL"
-        ),
+        validation_alias=shared_env("nats_url", "REPLICA"),
         description="NATS for kv events and heartbeats; None = no event plane",
     )
     nats_user: str | None = Field(
         None,
-        validation_alias=AliasChoices(
-            "nats_user", "CACHEPOINT_REPLICA_NATS_USER", "CACHEPOINT_NATS_USER"
-        ),
+        validation_alias=shared_env("nats_user", "REPLICA"),
         description="NATS user (the replica's name in generated configs); None = no auth",
     )
     nats_password: SecretStr | None = Field(
         None,
-        validation_alias=AliasChoices(
-            "nats_password", "CACHEPOINT_REPLICA_NATS_PASSWORD", "CACHEPOINT_NATS_PASSWORD"
-        ),
+        validation_alias=shared_env("nats_password", "REPLICA"),
         description="NATS password for nats_user",
     )
     advertise_url: str | None = Field(
@@ -88,9 +83,7 @@ class ReplicaSettings(BaseSettings):
     heartbeat_interval_s: float = Field(1.0, gt=0, description="seconds between heartbeats")
     internal_token: SecretStr | None = Field(
         None,
-        validation_alias=AliasChoices(
-            "internal_token", "CACHEPOINT_REPLICA_INTERNAL_TOKEN", "CACHEPOINT_INTERNAL_TOKEN"
-        ),
+        validation_alias=shared_env("internal_token", "REPLICA"),
         description="bearer token /v1/generate and /v1/stats require; None = open (dev only)",
     )
 

@@ -355,7 +355,11 @@ def test_network_policies(rendered: dict[str, list[dict[str, Any]]], helm: str) 
     # and the operator of this release, from the release namespace.
     replicas = policies[(NAMESPACE, f"{FULLNAME}-replicas")]
     assert replicas["spec"]["podSelector"]["matchLabels"].items() <= member_labels.items()
-    sources = _peers(replicas, "http")
+    # ... and scrapers (networkPolicy.metricsFrom, tests/charts/test_gateway_metrics.py).
+    *sources, scraper = _peers(replicas, "http")
+    assert scraper == {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+    }
     assert [p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in sources] == [
         "gateway",
         "operator",
@@ -368,7 +372,8 @@ def test_network_policies(rendered: dict[str, list[dict[str, Any]]], helm: str) 
         {"podSelector": {"matchLabels": gateway_pods}}
     ]
     gateway = policies[(NAMESPACE, f"{FULLNAME}-gateway")]
-    assert gateway["spec"]["ingress"] == [{"ports": [{"port": "http", "protocol": "TCP"}]}]
+    assert gateway["spec"]["ingress"][0] == {"ports": [{"port": "http", "protocol": "TCP"}]}
+    assert [r["ports"][0]["port"] for r in gateway["spec"]["ingress"]] == ["http", "metrics"]
 
     # One replicas policy per namespace the operator creates members in.
     docs = render(helm, "default", "--set", "operator.watchNamespaces={ml-a,ml-b,cachepoint}")

