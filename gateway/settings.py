@@ -66,7 +66,7 @@ class GatewaySettings(BaseSettings):
         description=(
             "which URL a replica may announce: exact (the `replicas` map), k8s-dns "
             "(http(s)://POD.SERVICE.NAMESPACE.svc[.cluster.local][:PORT] for name "
-            "NAMESPACE-POD, or the map), off (any); auto = exact if `replicas` is set, else off"
+            "NAMESPACE_POD, or the map), off (any); auto = exact if `replicas` is set, else off"
         ),
     )
     max_epoch_skew_s: float = Field(

@@ -8,7 +8,7 @@ only by one of these rules:
 - ``exact``: the configured name -> URL map, and nothing else;
 - ``k8s-dns``: the map, or a pod's DNS name under its headless Service,
   ``http(s)://POD.SERVICE.NAMESPACE.svc[.cluster.local][:PORT]``, whose namespace and
-  pod give the announced name (``NAMESPACE-POD``, as the operator names replicas);
+  pod give the announced name (``NAMESPACE_POD``, as the operator names replicas);
 - ``off``: any URL (development, or a bus nobody else can reach).
 """
 
@@ -28,11 +28,12 @@ _K8S_DNS = re.compile(
 
 
 def k8s_dns_name(url: str) -> str | None:
-    """The replica name a pod DNS URL stands for (``NAMESPACE-POD``), or None."""
+    """The replica name a pod DNS URL stands for (``NAMESPACE_POD``, as the operator
+    names members), or None."""
     m = _K8S_DNS.match(url)
     if m is None:
         return None
-    return f"{m['namespace']}-{m['pod']}"
+    return f"{m['namespace']}_{m['pod']}"
 
 
 def _norm(url: str) -> str:

@@ -50,8 +50,14 @@ def service_name(replica: str) -> str:
 
 
 def replica_process_name(namespace: str, pod: str) -> str:
-    """The name a replica announces on NATS: unique across namespaces sharing one bus."""
-    return f"{namespace}-{pod}"
+    """The name a replica announces on NATS (and its NATS user): unique across namespaces
+    sharing one bus.
+
+    NOTE: "_" joins them because no namespace or pod name can contain one: with "-",
+    namespace team-a's pod x-0 and namespace team's pod a-x-0 would share a name, and
+    one would take over the other's NATS identity and routing.
+    """
+    return f"{namespace}_{pod}"
 
 
 def selector_labels(replica: str) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """Pure builders for event-plane credentials: member Secrets and the NATS users include.
 
 Each member pod gets its own NATS user, named like the replica process
-(`<namespace>-<pod>`), whose permissions let it publish only its own kv batches and
+(`<namespace>_<pod>`), whose permissions let it publish only its own kv batches and
 heartbeats and answer only its own snapshot requests. The gateway's user is the same in
 every build; its password stays in the NATS container's environment (see naming.py).
 Randomness comes in as a function, so the same inputs always give the same output.

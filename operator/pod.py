@@ -49,7 +49,7 @@ def member_url(*, replica: str, namespace: str, pod: str, port: int) -> str:
     """The member's stable DNS name (hostname + subdomain + the headless Service).
 
     The gateway accepts a heartbeat's URL only in this shape and only for the replica
-    named <namespace>-<pod>, so an announced URL cannot point anywhere else.
+    named <namespace>_<pod>, so an announced URL cannot point anywhere else.
     """
     return f"http://{pod}.{service_name(replica)}.{namespace}.svc.cluster.local:{port}"
 

@@ -23,8 +23,11 @@ def shared_env(field: str, service: str) -> AliasChoices:
     """Read ``field`` from its own name, CACHEPOINT_<SERVICE>_<FIELD>, or the fleet-wide
     CACHEPOINT_<FIELD> that the gateway and the replicas share (NATS URL, credentials,
     the internal token): one env var configures a whole pod or embedded stack."""
+    # NOTE: not the bare field name: pydantic-settings would read it from the
+    # environment too (NATS_USER, say, which the nats CLI uses) and let it win.
+    # Keyword arguments still work by field name (populate_by_name).
     env = field.upper()
-    return AliasChoices(field, f"CACHEPOINT_{service}_{env}", f"CACHEPOINT_{env}")
+    return AliasChoices(f"CACHEPOINT_{service}_{env}", f"CACHEPOINT_{env}")
 
 
 def settings_from_flags(

@@ -195,11 +195,11 @@ async def _refused(url: str, user: str | None = None, password: str | None = Non
 async def test_members_speak_only_under_their_own_name(served: dict[str, Any]) -> None:
     url = served["url"]
     assert await _refused(url)  # no anonymous access
-    assert await _refused(url, "serving-llama-0", "not-the-password-0123")
+    assert await _refused(url, "serving_llama-0", "not-the-password-0123")
     assert await _refused(url, "gateway", "not-the-password-0123")
 
     gateway = await _connect(url, "gateway", GATEWAY_PASSWORD)
-    member0 = await _connect(url, "serving-llama-0", PASSWORDS["llama-0"])
+    member0 = await _connect(url, "serving_llama-0", PASSWORDS["llama-0"])
     received: list[str] = []
 
     async def got(msg: Any) -> None:
@@ -209,9 +209,9 @@ async def test_members_speak_only_under_their_own_name(served: dict[str, Any]) -
     await gateway.subscribe("cachepoint.replica.heartbeat.*", cb=got)
     await gateway.flush()
 
-    own = ["cachepoint.kv.serving-llama-0", "cachepoint.replica.heartbeat.serving-llama-0"]
-    forged = ["cachepoint.kv.serving-llama-1", "cachepoint.replica.heartbeat.serving-llama-1"]
-    forged += ["cachepoint.replica.heartbeat.fake", "cachepoint.kv.snapshot.serving-llama-1"]
+    own = ["cachepoint.kv.serving_llama-0", "cachepoint.replica.heartbeat.serving_llama-0"]
+    forged = ["cachepoint.kv.serving_llama-1", "cachepoint.replica.heartbeat.serving_llama-1"]
+    forged += ["cachepoint.replica.heartbeat.fake", "cachepoint.kv.snapshot.serving_llama-1"]
     for subject in own + forged:
         await member0.publish(subject, b"x")
     await member0.flush()
@@ -225,21 +225,21 @@ async def test_members_speak_only_under_their_own_name(served: dict[str, Any]) -
     async def answer(msg: Any) -> None:
         await msg.respond(b"snapshot")
 
-    await member0.subscribe("cachepoint.kv.snapshot.serving-llama-0", cb=answer)
-    await member0.subscribe("cachepoint.kv.snapshot.serving-llama-1", cb=answer)
+    await member0.subscribe("cachepoint.kv.snapshot.serving_llama-0", cb=answer)
+    await member0.subscribe("cachepoint.kv.snapshot.serving_llama-1", cb=answer)
     await member0.flush()
     await asyncio.sleep(0.2)
     assert (
-        'nats: permissions violation for subscription to "cachepoint.kv.snapshot.serving-llama-1"'
+        'nats: permissions violation for subscription to "cachepoint.kv.snapshot.serving_llama-1"'
         in {str(e) for e in member0.async_errors}
     )
-    reply = await gateway.request("cachepoint.kv.snapshot.serving-llama-0", b"", timeout=2)
+    reply = await gateway.request("cachepoint.kv.snapshot.serving_llama-0", b"", timeout=2)
     assert reply.data == b"snapshot"
     with pytest.raises(NatsError):
-        await gateway.request("cachepoint.kv.snapshot.serving-llama-1", b"", timeout=0.5)
+        await gateway.request("cachepoint.kv.snapshot.serving_llama-1", b"", timeout=0.5)
     # The gateway reads; it cannot publish batches or heartbeats itself.
     before = len(received)
-    await gateway.publish("cachepoint.replica.heartbeat.serving-llama-0", b"x")
+    await gateway.publish("cachepoint.replica.heartbeat.serving_llama-0", b"x")
     await gateway.flush()
     await asyncio.sleep(0.2)
     assert len(received) == before
@@ -249,14 +249,14 @@ async def test_members_speak_only_under_their_own_name(served: dict[str, Any]) -
 
 async def test_a_user_added_later_takes_effect_on_reload(served: dict[str, Any]) -> None:
     url = served["url"]
-    assert await _refused(url, "serving-llama-2", "member2-password-0123456789")
+    assert await _refused(url, "serving_llama-2", "member2-password-0123456789")
     passwords = {**PASSWORDS, "llama-2": "member2-password-0123456789"}
     users = served["users"] / "nats-users" / "users.conf"
     users.write_text(build_users_conf(member_users("serving", passwords)))
     # What the config reloader does when the mounted file changes: SIGHUP, no restart.
     served["proc"].send_signal(signal.SIGHUP)
     deadline = time.time() + 5
-    while await _refused(url, "serving-llama-2", "member2-password-0123456789"):
+    while await _refused(url, "serving_llama-2", "member2-password-0123456789"):
         assert time.time() < deadline, "the new user was not loaded"
         await asyncio.sleep(0.1)
     assert served["proc"].poll() is None

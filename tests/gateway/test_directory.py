@@ -169,9 +169,9 @@ def test_directory_k8s_dns_urls_must_be_the_announced_pods():
     d = ReplicaDirectory(urls=UrlPolicy("k8s-dns"))
     ok = "http://big-0.big.prod.svc.cluster.local:8100"
     assert not d.on_heartbeat(hb("prod-big-1", url=ok))  # another pod's address
-    assert not d.on_heartbeat(hb("prod-big-0", url="http://10.1.2.3:8100"))
-    d.on_heartbeat(hb("prod-big-0", url=ok))
-    assert [v.name for v in d.views()] == ["prod-big-0"]
+    assert not d.on_heartbeat(hb("prod_big-0", url="http://10.1.2.3:8100"))
+    d.on_heartbeat(hb("prod_big-0", url=ok))
+    assert [v.name for v in d.views()] == ["prod_big-0"]
     assert d.rejections == {"url": 2}
 
 

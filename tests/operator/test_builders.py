@@ -59,7 +59,7 @@ def test_members_differ_only_in_identity() -> None:
     assert (first["metadata"]["name"], second["metadata"]["name"]) == ("llama-0", "llama-1")
     assert second["spec"]["hostname"] == "llama-1"
     assert second["metadata"]["labels"]["cachepoint.dev/member"] == "1"
-    assert env_of(second)["CACHEPOINT_REPLICA_NAME"] == "serving-llama-1"
+    assert env_of(second)["CACHEPOINT_REPLICA_NAME"] == "serving_llama-1"
     assert first["spec"]["containers"][0]["image"] == second["spec"]["containers"][0]["image"]
 
 
@@ -199,7 +199,7 @@ SECURE = OperatorConfig(
 
 def test_members_get_their_nats_user_and_secrets_by_reference() -> None:
     env = env_of(pod(make_spec(port=9000), index=1, config=SECURE))
-    assert env["CACHEPOINT_NATS_USER"] == "serving-llama-1"  # = CACHEPOINT_REPLICA_NAME
+    assert env["CACHEPOINT_NATS_USER"] == "serving_llama-1"  # = CACHEPOINT_REPLICA_NAME
     assert env["CACHEPOINT_NATS_USER"] == env["CACHEPOINT_REPLICA_NAME"]
     assert env["CACHEPOINT_NATS_PASSWORD"] == {
         "secretKeyRef": {"name": "llama-credentials", "key": "llama-1"}
@@ -207,7 +207,7 @@ def test_members_get_their_nats_user_and_secrets_by_reference() -> None:
     assert env["CACHEPOINT_INTERNAL_TOKEN"] == {
         "secretKeyRef": {"name": "llama-credentials", "key": "internal-token"}
     }
-    # The URL the gateway's k8s-dns rule accepts for the name serving-llama-1.
+    # The URL the gateway's k8s-dns rule accepts for the name serving_llama-1.
     assert (
         env["CACHEPOINT_REPLICA_ADVERTISE_URL"]
         == "http://llama-1.llama.serving.svc.cluster.local:9000"
@@ -248,16 +248,16 @@ def test_credentials_secret_is_a_valid_object() -> None:
 
 
 def test_users_conf_is_sorted_deterministic_and_scoped_per_user() -> None:
-    users = {"serving-b-0": "b" * 20, "serving-a-0": "a" * 20}
+    users = {"serving_b-0": "b" * 20, "serving_a-0": "a" * 20}
     conf = build_users_conf(users)
     assert conf == build_users_conf(dict(reversed(users.items())))
     lines = [line for line in conf.splitlines() if line.startswith("  {")]
-    assert [line.split('"')[1] for line in lines] == ["gateway", "serving-a-0", "serving-b-0"]
+    assert [line.split('"')[1] for line in lines] == ["gateway", "serving_a-0", "serving_b-0"]
     assert "password: $CACHEPOINT_NATS_GATEWAY_PASSWORD," in lines[0]
     assert (
-        '{"publish": {"allow": ["cachepoint.kv.serving-a-0", '
-        '"cachepoint.replica.heartbeat.serving-a-0"]}, '
-        '"subscribe": {"allow": ["cachepoint.kv.snapshot.serving-a-0"]}, '
+        '{"publish": {"allow": ["cachepoint.kv.serving_a-0", '
+        '"cachepoint.replica.heartbeat.serving_a-0"]}, '
+        '"subscribe": {"allow": ["cachepoint.kv.snapshot.serving_a-0"]}, '
         '"allow_responses": true}' in lines[1]
     )
     bad = [
@@ -271,9 +271,9 @@ def test_users_conf_is_sorted_deterministic_and_scoped_per_user() -> None:
 
 
 def test_users_record_merges_one_cache_replica_at_a_time() -> None:
-    record = merge_record({}, "serving/a", {"serving-a-0": "x" * 20})
+    record = merge_record({}, "serving/a", {"serving_a-0": "x" * 20})
     record = merge_record(record, "ml/b", {"ml-b-0": "y" * 20})
-    assert set(flatten(record)) == {"serving-a-0", "ml-b-0"}
+    assert set(flatten(record)) == {"serving_a-0", "ml-b-0"}
     assert merge_record(record, "serving/a", None) == {"ml/b": {"ml-b-0": "y" * 20}}
     data = decode_secret({"data": build_users_data(record)})
     assert parse_record(data["members.json"]) == record
@@ -290,4 +290,4 @@ def test_the_advertised_url_passes_the_gateways_k8s_dns_rule() -> None:
     env = env_of(pod(make_spec(), index=2, config=SECURE))
     name, url = env["CACHEPOINT_REPLICA_NAME"], env["CACHEPOINT_REPLICA_ADVERTISE_URL"]
     assert policy.refuses(name, url) is None
-    assert policy.refuses("serving-llama-1", url) is not None  # not another member's
+    assert policy.refuses("serving_llama-1", url) is not None  # not another member's

@@ -64,16 +64,16 @@ async def test_members_get_their_own_credentials_and_nats_users(
     await cluster.wait(lambda: len(member_users(cluster)) == 2, "2 NATS users")
     assert users(cluster) == {
         "gateway": "$CACHEPOINT_NATS_GATEWAY_PASSWORD",
-        "serving-llama-0": creds["llama-0"],
-        "serving-llama-1": creds["llama-1"],
+        "serving_llama-0": creds["llama-0"],
+        "serving_llama-1": creds["llama-1"],
     }
     conf = (cluster.secret(*USERS_SECRET) or {})["users.conf"]
-    assert '"cachepoint.kv.serving-llama-0", "cachepoint.replica.heartbeat.serving-llama-0"' in conf
+    assert '"cachepoint.kv.serving_llama-0", "cachepoint.replica.heartbeat.serving_llama-0"' in conf
 
     # Each member reads its own password and the token from that Secret, by reference.
     pods = await cluster.wait(lambda: len(cluster.pods()) == 2 and cluster.pods(), "2 pods")
     env = {e["name"]: e for e in pods["llama-1"]["spec"]["containers"][0]["env"]}
-    assert env["CACHEPOINT_NATS_USER"]["value"] == "serving-llama-1"
+    assert env["CACHEPOINT_NATS_USER"]["value"] == "serving_llama-1"
     assert env["CACHEPOINT_NATS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
         "name": "llama-credentials",
         "key": "llama-1",
@@ -94,12 +94,12 @@ async def test_scaling_adds_and_drops_users_and_keeps_passwords(
     cluster: Cluster, operator: Any
 ) -> None:
     await cluster.create(cache_replica("llama", replicas=1))
-    await cluster.wait(lambda: set(member_users(cluster)) == {"serving-llama-0"}, "1 user")
-    first = member_users(cluster)["serving-llama-0"]
+    await cluster.wait(lambda: set(member_users(cluster)) == {"serving_llama-0"}, "1 user")
+    first = member_users(cluster)["serving_llama-0"]
 
     await cluster.patch("llama", {"spec": {"replicas": 3}}, sub="scale")
     await cluster.wait(lambda: len(member_users(cluster)) == 3, "3 users")
-    assert member_users(cluster)["serving-llama-0"] == first  # the member that stays keeps it
+    assert member_users(cluster)["serving_llama-0"] == first  # the member that stays keeps it
     assert set(cluster.secret(NAMESPACE, "llama-credentials") or {}) == {
         "llama-0",
         "llama-1",
@@ -108,8 +108,8 @@ async def test_scaling_adds_and_drops_users_and_keeps_passwords(
     }
 
     await cluster.patch("llama", {"spec": {"replicas": 1}}, sub="scale")
-    await cluster.wait(lambda: set(member_users(cluster)) == {"serving-llama-0"}, "back to 1")
-    assert member_users(cluster)["serving-llama-0"] == first
+    await cluster.wait(lambda: set(member_users(cluster)) == {"serving_llama-0"}, "back to 1")
+    assert member_users(cluster)["serving_llama-0"] == first
     assert set(cluster.secret(NAMESPACE, "llama-credentials") or {}) == {
         "llama-0",
         "internal-token",
@@ -121,14 +121,14 @@ async def test_deleting_one_cache_replica_keeps_the_others_users(
 ) -> None:
     await cluster.create(cache_replica("llama", replicas=2))
     await cluster.create(cache_replica("qwen", replicas=1))
-    both = {"serving-llama-0", "serving-llama-1", "serving-qwen-0"}
+    both = {"serving_llama-0", "serving_llama-1", "serving_qwen-0"}
     await cluster.wait(lambda: set(member_users(cluster)) == both, "users of both")
     record = json.loads((cluster.secret(*USERS_SECRET) or {})["members.json"])
     assert set(record) == {"serving/llama", "serving/qwen"}
 
     await cluster.delete("llama")
     await cluster.wait(lambda: cluster.get("llama") is None, "llama gone")
-    assert set(member_users(cluster)) == {"serving-qwen-0"}
+    assert set(member_users(cluster)) == {"serving_qwen-0"}
     assert cluster.secret(NAMESPACE, "llama-credentials") is None
     assert cluster.secret(NAMESPACE, "qwen-credentials") is not None
 

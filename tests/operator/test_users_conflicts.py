@@ -80,7 +80,7 @@ def test_a_write_that_lost_the_race_merges_instead_of_overwriting(
     assert credentials.sync_nats_users(CONFIG, "ns", "c", {"c-0": "c" * 24})
     assert set(record(api)) == {"ns/a", "ns/b", "ns/c"}  # nobody's users were lost
     conf = decode_secret(api.objects[("rel", "users")])["users.conf"]
-    assert all(f'"ns-{x}-0"' in conf for x in "abc")
+    assert all(f'"ns_{x}-0"' in conf for x in "abc")
 
 
 def test_removing_and_rewriting_are_idempotent(api: FakeApi) -> None:
