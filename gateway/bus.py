@@ -233,12 +233,15 @@ class GatewayBus:
         """Age out silent replicas; poll /v1/stats when heartbeats are not coming."""
         while True:
             await asyncio.sleep(self.directory.interval / 2)
-            self.directory.sweep()
-            if not self.connected or not any(
-                st.last_heartbeat for st in self.directory.replicas.values()
-            ):
-                await self._poll_stats()
+            try:
                 self.directory.sweep()
+                if not self.connected or not any(
+                    st.last_heartbeat for st in self.directory.replicas.values()
+                ):
+                    await self._poll_stats()
+                    self.directory.sweep()
+            except Exception as exc:  # silent replicas must keep ageing out
+                log.warning("maintenance round failed: %s", exc)
 
     async def _poll_stats(self) -> None:
         urls = set(self.seed_urls)
@@ -254,8 +257,8 @@ class GatewayBus:
                     stats = r.json()
                     self.directory.on_stats(str(stats["replica"]), url, stats)
                     return
-            except (httpx.HTTPError, KeyError, ValueError):
-                pass
+            except (httpx.HTTPError, KeyError, ValueError, TypeError):
+                pass  # down, or not a replica's stats (a list, a null epoch): not routable
             # NOTE: a known replica that fails its poll leaves routing now rather than
             # after the miss window; its next heartbeat or good poll brings it back.
             for st in list(self.directory.replicas.values()):

@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="info",
         help="debug | info | warning (default info); request lines are logged at any level",
     )
+    p.add_argument(
+        "--log-format",
+        choices=["json", "text"],
+        default="json",
+        help="stderr log lines: json (one object per line, default) or text",
+    )
     return p
 
 
@@ -97,11 +103,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = settings_from_flags(parser, args, GatewaySettings)
     from . import requestlog
 
-    requestlog.to_stderr()  # one JSON line per Messages request, whatever --log-level says
+    requestlog.always_log()  # one line per Messages request, whatever --log-level says
 
     from .app import create_app
 
-    serve(lambda: create_app(settings), settings.host, settings.port, args.log_level)
+    serve(
+        lambda: create_app(settings),
+        settings.host,
+        settings.port,
+        args.log_level,
+        log_format=args.log_format,
+    )
     return 0
 
 

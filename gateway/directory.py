@@ -156,21 +156,24 @@ class ReplicaDirectory:
     def on_stats(self, name: str, url: str, stats: Mapping[str, Any]) -> bool:
         """Load from a replica's /v1/stats (the fallback while NATS is down).
         False when refused (a future epoch, or a URL that is not the name's)."""
+        # NOTE: every field is read before anything changes: a malformed answer (the
+        # caller catches KeyError, ValueError, TypeError) leaves the record untouched.
         epoch = int(stats["epoch"])
+        block_size, model = int(stats["block_size"]), str(stats["model"])
+        load = [int(stats[k]) for k in ("queued_prefill_tokens", "running", "waiting")]
+        max_waiting = int(stats["max_waiting"])
         if self._future_epoch(name, epoch) or self._bad_url(name, url):
             return False
         st = self._state(name)
         if epoch > st.epoch:
             self._new_epoch(st, epoch)
         st.url = url
-        st.block_size = int(stats["block_size"])
-        st.model = str(stats["model"])
+        st.block_size = block_size
+        st.model = model
         st.last_polled = self.clock()
         v = st.view
-        v.queued_prefill_tokens = int(stats["queued_prefill_tokens"])
-        v.running = int(stats["running"])
-        v.waiting = int(stats["waiting"])
-        v.max_waiting = int(stats["max_waiting"])
+        v.queued_prefill_tokens, v.running, v.waiting = load
+        v.max_waiting = max_waiting
         v.live = st.healthy
         return True
 

@@ -34,7 +34,8 @@ HEADER = "idempotency-key"
 REPLAYED_HEADER = "idempotent-replayed"  # Stripe's name: "true" on a replayed answer
 ORIGINAL_ID_HEADER = "cachepoint-original-request-id"  # the request that generated it
 TTL_S = 24 * 3600  # how long a key's outcome is kept and replayed
-POLL_S = 0.1  # how often a waiting duplicate looks at the first request's row
+POLL_S = 0.1  # a waiting duplicate's first look again at the first request's row
+POLL_MAX_S = 1.0  # its longest pause: a long generation costs ~1 query a second
 PURGE_EVERY_S = 60.0  # lazy purge of expired keys, at most this often per process
 MAX_KEY_CHARS = 255
 # NOTE: a key still "in flight" after this long belongs to a gateway that died; it is
@@ -189,6 +190,7 @@ async def begin(
     """Claim ``key`` for this request, or get the first request's outcome (waiting up
     to ``wait_s`` for one in flight)."""
     deadline = time.monotonic() + wait_s
+    pause = POLL_S
     while True:
         got = await run_in_threadpool(_try, engine, ctx, key, digest, rid)
         if not isinstance(got, _InFlight):
@@ -201,4 +203,5 @@ async def begin(
             )
         if client_gone is not None and await client_gone():
             raise ApiError(499, "invalid_request_error", "client disconnected")
-        await asyncio.sleep(POLL_S)
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, POLL_MAX_S)

@@ -10,9 +10,7 @@ context the middleware set.
 
 from __future__ import annotations
 
-import json
 import logging
-import sys
 import time
 from contextvars import ContextVar, Token
 from dataclasses import dataclass
@@ -42,9 +40,9 @@ class RequestRecord:
     error_type: str | None = None  # the Anthropic error type, HTTP or SSE, if any
     buckets: Buckets | None = None  # what was billed; None = nothing
 
-    def line(self, now: float) -> str:
+    def fields(self, now: float) -> dict[str, Any]:
         b = self.buckets
-        fields: dict[str, Any] = {
+        return {
             "request_id": self.request_id,
             "path": self.path,
             "org": self.org,
@@ -61,7 +59,6 @@ class RequestRecord:
             "output_tokens": b.output_tokens if b else None,
             "latency_ms": round((now - self.started) * 1000, 2),
         }
-        return json.dumps(fields, separators=(",", ":"))
 
 
 _current: ContextVar[RequestRecord | None] = ContextVar("cachepoint_request", default=None)
@@ -75,7 +72,9 @@ def begin(request_id: str, path: str) -> tuple[RequestRecord, Token[RequestRecor
 def finish(record: RequestRecord, token: Token[RequestRecord | None]) -> None:
     _current.reset(token)
     if log.isEnabledFor(logging.INFO):
-        log.info(record.line(time.monotonic()))
+        # NOTE: formatted by the process's handler (cachepoint.serve.JsonFormatter: ts,
+        # level, logger, msg, then these fields), like the replica's request lines.
+        log.info("request", extra={"fields": record.fields(time.monotonic())})
 
 
 def note_caller(ctx: KeyContext) -> None:
@@ -100,11 +99,7 @@ def note_charge(charge: Charge) -> None:
         record.replica = charge.replica
 
 
-def to_stderr() -> None:
-    """Send the request lines to stderr whatever the process's log level (the
-    services' commands call this; the embedded stack keeps stderr in gateway.log)."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    log.addHandler(handler)
+def always_log() -> None:
+    """Write the request lines whatever the process's log level (the gateway command
+    calls this; the embedded stack keeps its stderr in gateway.log)."""
     log.setLevel(logging.INFO)
-    log.propagate = False

@@ -15,7 +15,9 @@ from .deps import MessageCallerDep, StateDep
 from .middleware import extra_headers
 
 
-def admit(request: Request, state: StateDep, ctx: MessageCallerDep) -> Admission:
+async def admit(request: Request, state: StateDep, ctx: MessageCallerDep) -> Admission:
+    # NOTE: async on purpose: no I/O here, and a sync dependency would cost a thread
+    # hop per request and touch the buckets from worker threads.
     requestlog.note_caller(ctx)
     admission = state.limiter.admit(ctx.org_id, ctx.key_id)
     extra_headers(request.scope).extend(admission.headers())

@@ -23,9 +23,9 @@ SECRETS_JSON = "secrets.json"
 def _write_private(path: Path, text: str) -> None:
     # NOTE: created 0600, not chmod-ed after: the file never exists readable by others.
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an older file keeps its mode through O_TRUNC: tighten first
     with os.fdopen(fd, "w") as fh:
         fh.write(text)
-    os.chmod(path, 0o600)  # an older file keeps its mode through O_TRUNC
 
 
 @dataclass(slots=True, frozen=True)

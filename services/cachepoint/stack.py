@@ -387,9 +387,9 @@ class Stack:
         # sees half a file. Created 0600: it holds keys.
         tmp = path.with_suffix(".json.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # a leftover tmp file keeps its mode: tighten before writing
         with os.fdopen(fd, "w") as fh:
             fh.write(json.dumps(self.endpoint(), indent=2) + "\n")
-        os.chmod(tmp, 0o600)
         os.replace(tmp, path)
         return path
 

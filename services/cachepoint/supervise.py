@@ -35,12 +35,13 @@ class ChildEvent:
 
     at: float  # wall-clock time (epoch seconds)
     child: str  # nats, replica-0, gateway
-    event: str  # "exited" (a restart is scheduled) or "restarted" (spawned again)
+    event: str  # "exited" (a restart is scheduled), "restarted", or "restart_failed"
     pid: int  # the process that exited, or the new one
     exit_code: int | None  # its exit status when it exited on its own
     signal: str | None  # the signal that ended it (SIGKILL, …), if one did
     restart: int  # which restart of this child this is, ever (1 = the first)
     backoff_s: float  # delay before this restart
+    error: str | None = None  # why a restart could not spawn the process
 
     def describe(self) -> str:
         if self.event == "exited":
@@ -48,6 +49,11 @@ class ChildEvent:
             return (
                 f"{self.child} (pid {self.pid}) died ({how}); "
                 f"restart #{self.restart} in {self.backoff_s:.1f}s"
+            )
+        if self.event == "restart_failed":
+            return (
+                f"{self.child} could not be started again ({self.error}); "
+                f"next try in {self.backoff_s:.1f}s"
             )
         return f"{self.child} restarted (restart #{self.restart}, pid {self.pid})"
 
@@ -168,22 +174,38 @@ class Supervisor:
                 with self.lock:
                     if self.stopping:
                         return
-                    self.respawn(child)
-                    child.restarts += 1
-                    child.restart_at = None
-                    child.started_at = time.monotonic()
-                self._emit(
-                    ChildEvent(
-                        time.time(),
-                        child.name,
-                        "restarted",
-                        child.pid,
-                        None,
-                        None,
-                        child.restarts,
-                        self.backoff.delay(child.in_a_row),
-                    )
-                )
+                    try:
+                        self.respawn(child)
+                    except Exception as exc:  # fork limit, binary gone: back off, retry
+                        child.in_a_row += 1
+                        delay = self.backoff.delay(child.in_a_row)
+                        child.restart_at = now + delay
+                        event = ChildEvent(
+                            time.time(),
+                            child.name,
+                            "restart_failed",
+                            child.pid,
+                            None,
+                            None,
+                            child.restarts + 1,
+                            delay,
+                            repr(exc),
+                        )
+                    else:
+                        child.restarts += 1
+                        child.restart_at = None
+                        child.started_at = time.monotonic()
+                        event = ChildEvent(
+                            time.time(),
+                            child.name,
+                            "restarted",
+                            child.pid,
+                            None,
+                            None,
+                            child.restarts,
+                            self.backoff.delay(child.in_a_row),
+                        )
+                self._emit(event)
 
     def _emit(self, ev: ChildEvent) -> None:
         self._log(asdict(ev))

@@ -103,6 +103,39 @@ def test_a_crash_loop_backs_off_and_a_long_run_resets_it(tmp_path):
     assert "died (SIGKILL); restart #1 in 0.5s" in events[0].describe()
 
 
+def test_a_restart_that_cannot_spawn_backs_off_and_is_reported(tmp_path):
+    child = FakeChild("nats")
+    failing = [OSError("Resource temporarily unavailable")] * 2
+
+    def respawn(c):
+        if failing:
+            raise failing.pop()
+        c.pid, c.code = c.pid + 1, None
+
+    events = []
+    sup = Supervisor(
+        lambda: [child],
+        respawn,
+        tmp_path / "supervisor.log",
+        threading.Lock(),
+        backoff=Backoff(0.5, 4.0, 60.0),
+        on_event=events.append,
+    )
+    child.code = 1
+    sup.tick(0.0)  # dead: first try due at 0.5
+    sup.tick(0.5)  # fails: next at 0.5 + 1.0, not on every 0.2 s poll
+    assert child.restart_at == 1.5
+    sup.tick(1.0)
+    assert [e.event for e in events] == ["exited", "restart_failed"]
+    sup.tick(1.5)  # fails again: 2 s more
+    assert child.restart_at == 3.5
+    sup.tick(3.5)  # spawns
+    assert (child.pid, child.restarts, child.restart_at) == (101, 1, None)
+    assert [e.event for e in events] == ["exited", "restart_failed", "restart_failed", "restarted"]
+    assert "could not be started again (OSError('Resource" in events[1].describe()
+    assert _log(tmp_path)[1]["error"] == "OSError('Resource temporarily unavailable')"
+
+
 def test_no_restart_after_stop(tmp_path):
     child = FakeChild("nats", code=-signal.SIGKILL)
     sup, _ = _supervisor(tmp_path, [child])

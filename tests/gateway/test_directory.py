@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from cachepoint.events import schema
 from cachepoint.gateway.directory import ReplicaDirectory
 from cachepoint.gateway.trust import UrlPolicy
@@ -202,3 +204,20 @@ def test_directory_failed_health_check_overrides_heartbeats():
     d.mark_unhealthy("r0", "connect error")
     d.on_heartbeat(hb("r0", epoch=2))  # a restart is judged afresh
     assert d.replicas["r0"].view.live and d.health_downs == 2
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"block_size": None}, {"max_waiting": "lots"}, {"running": [1]}, {"model": None, "x": 1}],
+)
+def test_a_malformed_stats_answer_changes_nothing(bad: dict[str, object]) -> None:
+    d = ReplicaDirectory(wall_ns=lambda: NOW_NS)
+    d.on_heartbeat(hb(epoch=NOW_NS - 1))
+    before = (d.replicas["r0"].epoch, d.replicas["r0"].url, d.replicas["r0"].block_size)
+    body = {**stats(NOW_NS), **bad}
+    if "x" in bad:
+        del body["block_size"]
+    with pytest.raises((KeyError, ValueError, TypeError)):
+        d.on_stats("r0", "http://other:1", body)
+    st = d.replicas["r0"]
+    assert (st.epoch, st.url, st.block_size) == before  # no half-applied answer

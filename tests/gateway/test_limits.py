@@ -445,7 +445,7 @@ def test_input_tokens_per_minute_limit_the_next_request(gateway):
 
 
 def _lines(caplog) -> list[dict]:
-    return [json.loads(r.getMessage()) for r in caplog.records if r.name == "cachepoint.requests"]
+    return [r.fields for r in caplog.records if r.name == "cachepoint.requests"]
 
 
 def _wait_lines(caplog, n: int) -> list[dict]:
