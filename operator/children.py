@@ -23,14 +23,9 @@ class ForeignChild(Exception):
     """An object with the name we need exists and belongs to someone else: never touch it."""
 
 
-def _owned_by(obj: dict[str, Any], uid: str) -> bool:
-    refs = obj.get("metadata", {}).get("ownerReferences") or []
-    return any(ref.get("uid") == uid for ref in refs)
-
-
 def owned_pods(namespace: str, replica: str, uid: str) -> list[dict[str, Any]]:
     """Member pods of this CacheReplica object (not of an older one of the same name)."""
-    return [p for p in kube.list_pods(namespace, selector_string(replica)) if _owned_by(p, uid)]
+    return [p for p in kube.list_pods(namespace, selector_string(replica)) if kube.owned_by(p, uid)]
 
 
 def ensure_service(owner: kopf.Body, replica: str, namespace: str, spec: ReplicaSpec) -> str | None:
@@ -40,7 +35,7 @@ def ensure_service(owner: kopf.Body, replica: str, namespace: str, spec: Replica
     current = kube.get_service(namespace, service_name(replica))
     if current is None:
         return "created" if kube.create_service(desired) else None
-    if not _owned_by(current, owner.metadata.uid or ""):
+    if not kube.owned_by(current, owner.metadata.uid or ""):
         raise ForeignChild(
             f"Service {service_name(replica)} already exists and is not this CacheReplica's"
         )
@@ -83,6 +78,6 @@ def remove_children(namespace: str, replica: str, uid: str) -> int:
         for pod in owned_pods(namespace, replica, uid)
     )
     service = kube.get_service(namespace, service_name(replica))
-    if service is not None and _owned_by(service, uid):
+    if service is not None and kube.owned_by(service, uid):
         removed += kube.delete_service(namespace, service_name(replica))
     return removed

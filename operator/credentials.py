@@ -21,11 +21,13 @@ from .nats_auth import (
     build_credentials_secret,
     build_users_data,
     decode_secret,
+    live_record_keys,
     member_passwords,
     member_users,
     merge_record,
     new_password,
     parse_record,
+    prune_record,
     record_key,
 )
 
@@ -34,11 +36,6 @@ CONFLICT_ATTEMPTS = 5  # re-reads of the users Secret when another writer got th
 
 class ForeignSecret(Exception):
     """A Secret with the credentials name exists and is not this CacheReplica's."""
-
-
-def _owned_by(obj: dict[str, Any], uid: str) -> bool:
-    refs = obj.get("metadata", {}).get("ownerReferences") or []
-    return any(ref.get("uid") == uid for ref in refs)
 
 
 def ensure_credentials(
@@ -59,7 +56,7 @@ def ensure_credentials(
     token = config.internal_token.get_secret_value() if config.internal_token else None
     for attempt in range(CONFLICT_ATTEMPTS):
         current = kube.get_secret(namespace, name)
-        if current is not None and not _owned_by(current, owner.metadata.uid or ""):
+        if current is not None and not kube.owned_by(current, owner.metadata.uid or ""):
             raise ForeignSecret(f"Secret {name} already exists and is not this CacheReplica's")
         credentials = MemberCredentials(
             passwords=member_passwords(replica, replicas, decode_secret(current), make),
@@ -98,21 +95,57 @@ def sync_nats_users(
 ) -> bool:
     """Put one CacheReplica's users into the NATS users Secret (None removes them).
 
-    Whether the Secret changed. A conditional patch (resourceVersion) keeps concurrent
-    handlers from overwriting each other's users: on a conflict, read and merge again.
+    Whether the Secret changed.
+    """
+    key = record_key(namespace, replica)
+    users = member_users(namespace, passwords) if passwords else None
+    return _rewrite_users(config, lambda record: merge_record(record, key, users))
+
+
+def prune_nats_users(config: OperatorConfig) -> bool:
+    """Drop the users of every CacheReplica that is gone or being deleted.
+
+    Whether the Secret changed. Only the namespaces the record names are listed, each
+    on its own: the operator's Roles (watchNamespaces) or ClusterRole (all namespaces)
+    allow exactly that, and a namespace it may not list (403) is no longer one it
+    manages, so its users go too.
+    """
+    return _rewrite_users(config, _without_gone)
+
+
+def _without_gone(record: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+    existing: set[str] = set()
+    for namespace in sorted({key.partition("/")[0] for key in record}):
+        try:
+            existing |= live_record_keys(kube.list_cache_replicas(namespace))
+        except ApiException as e:
+            if e.status != 403:
+                raise  # anything else: prune nothing this time
+    return prune_record(record, existing)
+
+
+def _rewrite_users(
+    config: OperatorConfig,
+    change: Callable[[dict[str, dict[str, str]]], dict[str, dict[str, str]]],
+) -> bool:
+    """Read the NATS users Secret, apply `change` to its record, write it back if changed.
+
+    A conditional patch (resourceVersion) keeps concurrent writers from overwriting each
+    other: on a conflict, read and apply `change` again. NOTE: `change` runs after each
+    read, so whatever it looks up (the CacheReplicas that exist) is at least as new as
+    the record it edits: a CacheReplica whose users are in the record we read existed
+    before we listed, and one added later bumps the resourceVersion and fails the patch.
     """
     if not config.maintains_nats_users:
         return False
     assert config.release_namespace and config.nats_users_secret
     ns, name = config.release_namespace, config.nats_users_secret
-    key = record_key(namespace, replica)
-    users = member_users(namespace, passwords) if passwords else None
     for attempt in range(CONFLICT_ATTEMPTS):
         current = kube.get_secret(ns, name)
-        record = parse_record(decode_secret(current).get(USERS_RECORD_KEY))
-        data = build_users_data(merge_record(record, key, users))
+        record = change(parse_record(decode_secret(current).get(USERS_RECORD_KEY)))
+        data = build_users_data(record)
         if current is None:
-            if users is None:
+            if not record:
                 return False
             secret = {
                 "apiVersion": "v1",
@@ -139,6 +172,6 @@ def remove_credentials(namespace: str, replica: str, uid: str) -> int:
     """Delete the CacheReplica's credentials Secret if it is ours; how many went."""
     name = credentials_secret_name(replica)
     current = kube.get_secret(namespace, name)
-    if current is not None and _owned_by(current, uid):
+    if current is not None and kube.owned_by(current, uid):
         return int(kube.delete_secret(namespace, name))
     return 0

@@ -7,12 +7,16 @@
   member's /v1/stats (with the internal token), write status.
 - delete: remove the children and the credentials, drop the NATS users, then kopf
   releases the finalizer.
+- one pruner per operator (startup to cleanup): drops the NATS users of every
+  CacheReplica that is gone or being deleted, whatever wrote them back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
+import logging
 from typing import Any
 
 import kopf
@@ -99,6 +103,48 @@ def reconcile(
         raise kopf.TemporaryError("; ".join(step.waiting), delay=CONFIG.retry_delay)
 
 
+def _still_live(namespace: str, name: str, uid: str) -> bool:
+    """Whether this very CacheReplica object still exists and is not being deleted."""
+    current = kube.get_cache_replica(namespace, name)
+    meta = (current or {}).get("metadata") or {}
+    return meta.get("uid") == uid and not meta.get("deletionTimestamp")
+
+
+async def prune_users_forever(interval: float, logger: logging.Logger) -> None:
+    """Every `interval`, drop the NATS users of CacheReplicas that are gone or going.
+
+    Per-object timers stop with their object, so this runs once per operator, even with
+    no CacheReplica left (the last one's users must go too).
+    """
+    while True:
+        try:
+            if await asyncio.to_thread(credentials.prune_nats_users, CONFIG):
+                logger.info("NATS users of deleted CacheReplicas removed")
+        except ApiException as e:
+            logger.warning(f"cannot prune NATS users: {e.status} {e.reason}")
+        except Exception:
+            # NOTE: the loop must outlive any one failure, or stale users stay for good.
+            logger.exception("cannot prune NATS users")
+        await asyncio.sleep(interval)
+
+
+@kopf.on.startup()
+async def start_pruner(memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    if CONFIG.maintains_nats_users:
+        log = logging.getLogger("cachepoint.operator.pruner")
+        memo["pruner"] = asyncio.create_task(prune_users_forever(CONFIG.stats_interval, log))
+        logger.info("pruning NATS users of deleted CacheReplicas")
+
+
+@kopf.on.cleanup()
+async def stop_pruner(memo: kopf.Memo, **_: Any) -> None:
+    task = memo.get("pruner")
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 @kopf.timer(*RESOURCE, interval=CONFIG.stats_interval)
 async def refresh_status(
     body: kopf.Body,
@@ -129,10 +175,23 @@ async def refresh_status(
             passwords = await asyncio.to_thread(
                 credentials.ensure_credentials, body, name, namespace, replica.replicas, CONFIG
             )
-            await asyncio.to_thread(credentials.sync_nats_users, CONFIG, namespace, name, passwords)
-            await asyncio.to_thread(
-                children.converge_members, body, name, namespace, uid, replica, CONFIG, roll=False
-            )
+            # NOTE: `meta` is from when this tick began; the object may have been deleted
+            # since, and writing its users now would undo the delete handler's removal.
+            # Ask again right before writing (the pruner catches what still slips by).
+            if await asyncio.to_thread(_still_live, namespace, name, uid):
+                await asyncio.to_thread(
+                    credentials.sync_nats_users, CONFIG, namespace, name, passwords
+                )
+                await asyncio.to_thread(
+                    children.converge_members,
+                    body,
+                    name,
+                    namespace,
+                    uid,
+                    replica,
+                    CONFIG,
+                    roll=False,
+                )
         pods = await asyncio.to_thread(children.owned_pods, namespace, name, uid)
     except ApiException as e:
         logger.warning(f"cannot list members: {e.status} {e.reason}")

@@ -17,6 +17,8 @@ import kopf
 import kubernetes
 from kubernetes.client.exceptions import ApiException
 
+from .naming import GROUP, PLURAL, VERSION
+
 TIMEOUT = 15.0  # seconds per API call; a hung call must not hold a kopf worker forever
 JSON_PATCH = "application/json-patch+json"
 
@@ -56,6 +58,12 @@ def connection_info(config: kubernetes.client.Configuration) -> kopf.ConnectionI
     )
 
 
+def owned_by(obj: dict[str, Any], uid: str) -> bool:
+    """Whether `obj` has an owner reference to the object with this uid."""
+    refs = obj.get("metadata", {}).get("ownerReferences") or []
+    return any(ref.get("uid") == uid for ref in refs)
+
+
 def _core() -> kubernetes.client.CoreV1Api:
     # A client per call: cheap, and a re-login (new server or token) takes effect at once.
     return kubernetes.client.CoreV1Api(kubernetes.client.ApiClient())
@@ -64,6 +72,25 @@ def _core() -> kubernetes.client.CoreV1Api:
 def _json(response: Any) -> dict[str, Any]:
     data = response.data
     return json.loads(data) if data else {}
+
+
+def _custom() -> kubernetes.client.CustomObjectsApi:
+    return kubernetes.client.CustomObjectsApi(kubernetes.client.ApiClient())
+
+
+def get_cache_replica(namespace: str, name: str) -> dict[str, Any] | None:
+    """The CacheReplica as the API has it now (not kopf's copy from the event)."""
+    method = _custom().get_namespaced_custom_object
+    response = _call(404, method, GROUP, VERSION, namespace, PLURAL, name)
+    return None if response is None else _json(response)
+
+
+def list_cache_replicas(namespace: str) -> list[dict[str, Any]]:
+    """Every CacheReplica in one namespace (namespaced: a Role there is enough)."""
+    response = _custom().list_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, _preload_content=False, _request_timeout=TIMEOUT
+    )
+    return list(_json(response).get("items") or [])
 
 
 def list_pods(namespace: str, selector: str) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ import base64
 import json
 import re
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,6 +149,28 @@ def merge_record(
     if users:
         merged[key] = dict(users)
     return merged
+
+
+def live_record_keys(cache_replicas: Iterable[Mapping[str, Any]]) -> set[str]:
+    """Record keys of the CacheReplicas that may hold NATS users: not being deleted."""
+    keys = set()
+    for obj in cache_replicas:
+        meta = obj.get("metadata") or {}
+        if meta.get("name") and meta.get("namespace") and not meta.get("deletionTimestamp"):
+            keys.add(record_key(meta["namespace"], meta["name"]))
+    return keys
+
+
+def prune_record(
+    record: Mapping[str, Mapping[str, str]], existing_keys: Collection[str]
+) -> dict[str, dict[str, str]]:
+    """The record without the users of CacheReplicas that no longer exist.
+
+    NOTE: merging one CacheReplica at a time cannot remove users for sure (a timer tick
+    that began before a deletion writes them back after the delete handler dropped them;
+    a finalizer removed by hand skips that handler): this level-based pass does.
+    """
+    return {k: dict(v) for k, v in record.items() if k in existing_keys}
 
 
 def flatten(record: Mapping[str, Mapping[str, str]]) -> dict[str, str]:

@@ -1,0 +1,75 @@
+"""The operator's NATS permissions are the event plane's, subject for subject.
+
+The operator may not import service code, so operator/nats_auth.py keeps its own copy
+of the permission sets that services/events/auth.py builds (and the chart's seed file a
+third, written by the operator's builder). Tests may import both: renaming a subject on
+one side fails here instead of silently locking replicas out of the cluster's NATS.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cachepoint.events import auth, subjects
+from cachepoint.operator.naming import GATEWAY_NATS_USER, replica_process_name
+from cachepoint.operator.nats_auth import (
+    GATEWAY_PERMISSIONS,
+    build_users_conf,
+    member_users,
+    replica_permissions,
+)
+
+SEED = Path(__file__).parents[2] / "charts" / "cachepoint" / "files" / "nats-users-seed.conf"
+NAMES = [
+    replica_process_name("serving", "llama-0"),
+    replica_process_name("team-a", "x-12"),
+    replica_process_name("ml", "qwen-coder-3"),
+]
+
+
+def as_operator_writes(user: auth.NatsUser) -> dict[str, Any]:
+    """An event-plane user's permissions in the shape of the operator's users.conf."""
+    permissions: dict[str, Any] = {
+        "publish": {"allow": list(user.publish)},
+        "subscribe": {"allow": list(user.subscribe)},
+    }
+    if user.allow_responses:
+        permissions["allow_responses"] = True
+    return permissions
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_replica_permissions_equal_the_event_planes(name: str) -> None:
+    # The operator's user names are valid replica names (single subject tokens).
+    assert subjects.check_replica_name(name) == name
+    assert replica_permissions(name) == as_operator_writes(auth.replica_user(name, "pw"))
+    assert replica_permissions(name) == {
+        "publish": {"allow": [subjects.kv_subject(name), subjects.heartbeat_subject(name)]},
+        "subscribe": {"allow": [subjects.snapshot_subject(name)]},
+        "allow_responses": True,
+    }
+
+
+def test_gateway_permissions_equal_the_event_planes() -> None:
+    assert GATEWAY_NATS_USER == auth.GATEWAY_USER
+    assert as_operator_writes(auth.gateway_user("pw")) == GATEWAY_PERMISSIONS
+    assert GATEWAY_PERMISSIONS == {
+        "publish": {"allow": [subjects.SNAPSHOT_ALL]},
+        "subscribe": {"allow": [subjects.KV_ALL, subjects.HEARTBEAT_ALL, auth.INBOX_ALL]},
+    }
+
+
+def test_the_users_file_grants_what_the_event_plane_grants() -> None:
+    conf = build_users_conf(member_users("serving", {"llama-0": "p" * 24}))
+    name = NAMES[0]
+    replica = auth.replica_user(name, "pw")
+    assert f'"{subjects.kv_subject(name)}", "{subjects.heartbeat_subject(name)}"' in conf
+    assert f'"subscribe": {{"allow": ["{replica.subscribe[0]}"]}}' in conf
+
+
+def test_the_charts_seed_file_is_the_operators_build_for_no_members() -> None:
+    # tests/charts checks the rendered Secret too, but only where helm is installed.
+    assert SEED.read_text() == build_users_conf({})
