@@ -8,7 +8,6 @@ the tokens counted so far are what was generated.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
@@ -28,8 +27,9 @@ from .upstream import (
 
 log = logging.getLogger(__name__)
 
-# NOTE: how often a non-streaming request checks that its client is still there; the
-# replica's own disconnect poll is 0.2 s, and a check is one non-blocking receive.
+# NOTE: how often a request waiting on its replica (queue, prefill, a collected
+# generation) checks that its client is still there; the replica's own disconnect poll
+# is 0.2 s, and a check is one non-blocking receive.
 DISCONNECT_POLL_S = 0.1
 STOPS = ("end_turn", "max_tokens", "stop_sequence")  # the stop reasons a replica may give
 
@@ -130,12 +130,54 @@ async def open_stream(
         return await _open_once(state, routed.replica, payload, limits)
 
 
+async def _watch(
+    task: asyncio.Task[Any], client_gone: Callable[[], Awaitable[bool]] | None
+) -> bool:
+    """Await ``task`` (its error is raised); False when ``client_gone`` said the client
+    hung up first, and the task was cancelled for it."""
+    stopped = False
+    try:
+        if client_gone is not None:
+            while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
+                if await client_gone():
+                    stopped = task.cancel()
+                    break
+        try:
+            await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if not stopped or (current is not None and current.cancelling()):
+                raise
+        return not stopped
+    finally:
+        if not task.done():  # we were cancelled ourselves
+            task.cancel()
+            await asyncio.wait({task})
+
+
+async def open_watched(
+    state: GatewayState,
+    route: RouteRequest,
+    routed: Routed,
+    payload: dict[str, Any],
+    limits: ReportLimits,
+    client_gone: Callable[[], Awaitable[bool]],
+) -> Opened | None:
+    """``open_stream``, or None if the client hangs up while the request is queued or
+    prefilling: the connection is closed, and the replica drops the request before its
+    prefill commits (no ``prefill_done``, so nothing to bill)."""
+    task = asyncio.ensure_future(open_stream(state, route, routed, payload, limits))
+    if await _watch(task, client_gone):
+        return task.result()
+    return None
+
+
 @dataclass(slots=True)
 class Generation:
     """A collected generation: finished, or stopped because the client went away."""
 
-    replica: str  # who generated
-    cache: dict[str, Any]  # the checked cache report
+    replica: str  # who generated (who was asked, until a prefill is done)
+    cache: dict[str, Any] | None  # the checked cache report; None: stopped before prefill_done
     output_tokens: int  # tokens generated (token events received)
     result: dict[str, Any] | None  # the replica's final response; None when stopped
 
@@ -161,6 +203,29 @@ async def _collect(opened: Opened, gen: Generation, limits: ReportLimits) -> Non
     raise ReplicaStreamError(opened.replica.name, "stream ended before done")
 
 
+async def _run(
+    state: GatewayState,
+    route: RouteRequest,
+    routed: Routed,
+    payload: dict[str, Any],
+    limits: ReportLimits,
+    gen: Generation,
+) -> None:
+    """Open, wait for the prefill and collect: one task, so that a hang-up at any point
+    closes the connection (cancelled, the stack closes it) and the replica stops."""
+    opened = await open_stream(state, route, routed, payload, limits)
+    gen.replica, gen.cache = opened.replica.name, opened.cache
+    async with opened.stack:
+        try:
+            await _collect(opened, gen, limits)
+        except UsageReportError as exc:
+            reject_report(state, gen.replica, exc)
+            raise
+        except ReplicaStreamError as exc:
+            stream_broke(state, gen.replica, exc)
+            raise
+
+
 async def generate(
     state: GatewayState,
     route: RouteRequest,
@@ -171,32 +236,9 @@ async def generate(
 ) -> Generation:
     """Run one generation to its end, or until ``client_gone`` says the client hung up
     (then ``result`` is None and ``output_tokens`` is what was generated before the
-    replica was told to stop). ``client_gone`` None: run to the end regardless."""
-    opened = await open_stream(state, route, routed, payload, limits)
-    gen = Generation(opened.replica.name, opened.cache, 0, None)
-    async with opened.stack:
-        task = asyncio.ensure_future(_collect(opened, gen, limits))
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                if done:
-                    break
-                if client_gone is not None and await client_gone():
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
-                    return gen
-        finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        try:
-            task.result()
-        except UsageReportError as exc:
-            reject_report(state, gen.replica, exc)
-            raise
-        except ReplicaStreamError as exc:
-            stream_broke(state, gen.replica, exc)
-            raise
+    replica was told to stop; ``cache`` is None too if it was still queued or
+    prefilling). ``client_gone`` None: run to the end regardless."""
+    gen = Generation(routed.replica.name, None, 0, None)
+    task = asyncio.ensure_future(_run(state, route, routed, payload, limits, gen))
+    await _watch(task, client_gone)
     return gen

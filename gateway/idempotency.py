@@ -5,8 +5,9 @@ request's outcome again, byte for byte, without generating or billing again. The
 key with a different request is a 400. A duplicate that arrives while the first is
 still in flight waits for it (polling the database, so this holds across gateway
 replicas too) and then gets its outcome; only if the first has not finished within
-the upstream timeout does it get a 409. A first request that fails, or a stream that
-does not reach ``message_stop``, releases the key so that a retry runs afresh.
+the upstream timeout does it get a 409. A first request that fails, or a stream cut
+before its full charge is written, releases the key so that a retry runs afresh; a
+stream cut after it keeps the key, with the whole stream recorded for the retry.
 """
 
 from __future__ import annotations

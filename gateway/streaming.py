@@ -54,8 +54,8 @@ class StreamJob:
 class _Progress:
     delivered: int = 0  # tokens whose text has been handed to the client
     pending: int = 0  # tokens received whose text has not gone out yet (empty deltas)
-    billed: bool = False  # the ledger row is written (or deliberately skipped)
-    ok: bool = False  # the stream reached message_stop
+    billed: bool = False  # the ledger row is written, tried, or deliberately skipped
+    charged: bool = False  # the full charge is written: the key keeps this stream
 
 
 def respond(job: StreamJob) -> StreamingResponse:
@@ -72,12 +72,19 @@ async def _relay(job: StreamJob) -> AsyncIterator[bytes]:
     progress = _Progress()
     recorded: list[bytes] | None = [] if job.claim is not None else None
 
-    async def charge(out_tokens: int) -> None:
-        if not progress.billed:
-            progress.billed = True
-            b = buckets_of(cache, out_tokens, job.limits)
-            row = charge_of(rid, job.ctx, job.body, opened.replica.name, job.prepared, b)
+    async def charge(out_tokens: int) -> bool:
+        """Bill once; False when the ledger write failed (logged, one line)."""
+        if progress.billed:
+            return False
+        progress.billed = True
+        b = buckets_of(cache, out_tokens, job.limits)
+        row = charge_of(rid, job.ctx, job.body, opened.replica.name, job.prepared, b)
+        try:
             await bill(state, row, job.server)
+        except Exception as exc:
+            log.warning("stream %s: could not bill %d output tokens: %r", rid, out_tokens, exc)
+            return False
+        return True
 
     def out(chunk: bytes) -> bytes:
         if recorded is not None:
@@ -155,24 +162,33 @@ async def _relay(job: StreamJob) -> AsyncIterator[bytes]:
             )
         yield out(sse("content_block_stop", {"type": "content_block_stop", "index": 0}))
         # NOTE: billed before the final usage leaves: the request id makes it once only.
-        await charge(out_tokens)
+        if not await charge(out_tokens):  # logged; the key is released for a retry
+            yield sse("error", envelope("api_error", "could not record usage", rid))
+            return
         usage = usage_of(buckets_of(cache, out_tokens, job.limits)).model_dump()
         usage.pop("cache_creation")
-        yield out(
-            sse(
-                "message_delta",
-                {
-                    "type": "message_delta",
-                    "delta": {
-                        "stop_reason": final.get("stop_reason"),
-                        "stop_sequence": final.get("stop_sequence"),
+        # NOTE: recorded before they leave: once the full charge is written, the key
+        # keeps this whole stream, so a retry replays it even if this client hangs up
+        # before these last events reach it, and is not generated or billed again.
+        closing = [
+            out(
+                sse(
+                    "message_delta",
+                    {
+                        "type": "message_delta",
+                        "delta": {
+                            "stop_reason": final.get("stop_reason"),
+                            "stop_sequence": final.get("stop_sequence"),
+                        },
+                        "usage": usage,
                     },
-                    "usage": usage,
-                },
-            )
-        )
-        yield out(sse("message_stop", {"type": "message_stop"}))
-        progress.ok = True
+                )
+            ),
+            out(sse("message_stop", {"type": "message_stop"})),
+        ]
+        progress.charged = True
+        for chunk in closing:
+            yield chunk
         metrics = state.metrics
         metrics.upstream_seconds.observe(waited)
         metrics.overhead.observe(time.perf_counter() - job.t_start - waited)
@@ -191,14 +207,19 @@ async def _relay(job: StreamJob) -> AsyncIterator[bytes]:
         yield sse("error", envelope(exc.kind, exc.message, rid))
     finally:
         # Reached on every exit: normal end, error, or the client hanging up (then
-        # this runs under cancellation, hence the shields). A client that went away
-        # pays for the tokens it was sent.
+        # this runs under cancellation, hence the shield). A client that went away
+        # pays for the tokens it was sent. NOTE: each step runs even if the one before
+        # raised: the replica is told to stop first, and the key is never left held.
         with anyio.CancelScope(shield=True):
-            if not progress.billed:
-                await charge(progress.delivered)
-            await opened.stack.aclose()
-            if job.claim is not None:
-                if progress.ok and recorded is not None:
-                    await job.claim.complete(200, job.headers, b"".join(recorded), "sse")
-                else:
-                    await job.claim.release()
+            try:
+                await opened.stack.aclose()
+            finally:
+                try:
+                    if not progress.billed:
+                        await charge(progress.delivered)
+                finally:
+                    if job.claim is not None:
+                        if progress.charged and recorded is not None:
+                            await job.claim.complete(200, job.headers, b"".join(recorded), "sse")
+                        else:
+                            await job.claim.release()

@@ -24,7 +24,7 @@ import anthropic
 import httpx
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from sqlalchemy import text, update
 
 from cachepoint.gateway.app import create_app
@@ -51,6 +51,8 @@ class Script:
     cache: dict[str, Any] = field(default_factory=dict)  # forged cache report fields
     extra_tokens: int = 0  # token events beyond max_tokens (a forged count)
     final_delta: int = 0  # added to the final output_tokens (a forged count)
+    prefill_s: float = 0.0  # queue + prefill before prefill_done (dropped on a hang-up)
+    dropped: set[str] = field(default_factory=set)  # request ids dropped before prefill_done
     calls: int = 0  # generate calls
     sent: dict[str, int] = field(default_factory=dict)  # request id -> token events written
     finished: set[str] = field(default_factory=set)  # request ids streamed to the end
@@ -78,6 +80,14 @@ def scripted_replica(script: Script) -> FastAPI:
             "refusal_reason": None,
             **script.cache,
         }
+        # NOTE: like the replica, it polls for a hang-up while the request is queued or
+        # prefilling, and drops it: no prefill_done, nothing committed.
+        end = time.monotonic() + script.prefill_s
+        while time.monotonic() < end:
+            if await request.is_disconnected():
+                script.dropped.add(rid)
+                return Response(status_code=499)
+            await asyncio.sleep(0.05)
         texts = [script.texts[i % len(script.texts)] for i in range(n)]
         result = {
             "request_id": rid,
@@ -477,3 +487,116 @@ def test_replica_killed_mid_stream_ends_with_an_error_event_billed_as_delivered(
     assert tracebacks == []
     warnings = [r.getMessage() for r in log_records if r.name.startswith("cachepoint.gateway")]
     assert any("stream failed" in m for m in warnings)
+
+
+# ------------------------------------------- hang-ups around the prefill and the charge
+
+
+def _key_rows(gw: Gateway) -> list[Any]:
+    engine = make_engine(gw.db)
+    try:
+        with engine.connect() as conn:
+            return list(conn.execute(text("SELECT key, status FROM idempotency_keys")))
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])
+def test_hang_up_during_prefill_drops_the_request_unbilled(gateway_for, stream):
+    # Queue + prefill take 3 s; the SDK gives up after 0.5 s and retries twice. Each
+    # attempt's hang-up reaches the replica before its prefill is done: nothing billed.
+    script = Script(prefill_s=3.0, delay_s=0.05)
+    gw = gateway_for(script)
+    c = gw.client(timeout=0.5, max_retries=2)
+    key = {"idempotency-key": f"pf-{uuid.uuid4()}"}  # streams hold a key; creates do not
+
+    def call() -> None:
+        if stream:
+            with c.messages.stream(
+                model=MODEL, max_tokens=5, messages=MSGS, extra_headers=key
+            ) as s:
+                s.until_done()
+        else:
+            c.messages.create(model=MODEL, max_tokens=5, messages=MSGS)
+
+    with pytest.raises(anthropic.APITimeoutError):
+        call()
+    deadline = time.time() + 2
+    while len(script.dropped) < script.calls and time.time() < deadline:
+        time.sleep(0.05)
+    assert script.calls == 3
+    assert len(script.dropped) == 3, "the upstream was kept open through the prefill"
+    assert script.sent == {}  # no prefill_done ever went out
+    time.sleep(0.3)
+    assert gw.rows() == []
+    assert _key_rows(gw) == []  # the key was released: a later retry runs afresh
+
+
+def test_stream_cut_after_its_final_charge_keeps_its_key(serve, tmp_path):
+    # The network write of message_delta is slow (the socket buffer is full); the client
+    # hangs up after content_block_stop, meanwhile. The final charge is written by then,
+    # so the key keeps the whole stream: the retry replays it instead of generating and
+    # billing again.
+    script = Script(texts=["x", "y"])
+    db = f"sqlite:///{tmp_path}/gw.db"
+    keys = _seed(db)
+    router = StaticRouter(serve(scripted_replica(script)))
+    app = create_app(GatewaySettings(database_url=db), router=router)
+
+    async def slow_network(scope: Any, receive: Any, send: Any) -> None:
+        async def slow_send(message: dict[str, Any]) -> None:
+            if b"message_delta" in message.get("body", b""):
+                await asyncio.sleep(0.5)
+            await send(message)
+
+        await app(scope, receive, slow_send)
+
+    gw = Gateway(serve(slow_network), db, keys, router)
+    c = gw.client(default_headers={"idempotency-key": f"cut-{uuid.uuid4()}"})
+    with c.messages.stream(model=MODEL, max_tokens=4, messages=MSGS) as s:
+        for event in s:
+            if event.type == "content_block_stop":
+                break  # hang up: closes the connection
+    assert [r.output_tokens for r in gw.wait_rows(1)] == [4]
+    deadline = time.time() + 5
+    while (rows := _key_rows(gw)) and rows[0].status is None and time.time() < deadline:
+        time.sleep(0.05)
+    with c.messages.stream(model=MODEL, max_tokens=4, messages=MSGS) as s:
+        msg = s.get_final_message()
+    assert msg.content[0].text == "xyxy"
+    assert msg.usage.output_tokens == 4
+    assert script.calls == 1
+    assert [r.output_tokens for r in gw.rows()] == [4]
+
+
+def test_stream_billing_failure_still_stops_the_replica_and_frees_the_key(
+    gateway_for, monkeypatch, log_records
+):
+    # The ledger is down when a client hangs up mid-stream: the replica is still told
+    # to stop, the key is released, and the failure is one log line, no traceback.
+    from sqlalchemy.exc import OperationalError
+
+    from cachepoint.gateway import streaming
+
+    async def failing_bill(*args: Any, **kw: Any) -> None:
+        raise OperationalError("INSERT INTO usage", {}, Exception("database is down"))
+
+    monkeypatch.setattr(streaming, "bill", failing_bill)
+    script = Script(texts=["x"], delay_s=0.05)
+    gw = gateway_for(script)
+    c = gw.client(default_headers={"idempotency-key": f"down-{uuid.uuid4()}"})
+    with c.messages.stream(model=MODEL, max_tokens=100, messages=MSGS) as s:
+        for i, _ in enumerate(s.text_stream):
+            if i == 2:
+                break  # hang up after 3 deltas
+    time.sleep(0.6)
+    (rid,) = script.sent
+    stopped_at = script.sent[rid]
+    time.sleep(0.5)
+    assert script.sent[rid] == stopped_at < 100, "the replica kept generating"
+    assert rid not in script.finished
+    assert _key_rows(gw) == []
+    tracebacks = [r for r in log_records if r.exc_info and r.levelno >= logging.ERROR]
+    assert tracebacks == []
+    lines = [r.getMessage() for r in log_records if r.name.startswith("cachepoint.gateway")]
+    assert sum("could not bill" in m for m in lines) == 1

@@ -7,12 +7,12 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 
 from ... import idempotency, requestlog, streaming
 from ...accounting import bill, charge_of
-from ...dispatch import generate, open_stream, pick
+from ...dispatch import generate, open_watched, pick
 from ...errors import envelope, not_found
 from ...pipeline import Prepared, ReportLimits, buckets_of, plan_cache, prepare, usage_of
 from ...schemas.messages import (
@@ -85,7 +85,7 @@ async def create_message(
         claim = got
     try:
         if body.stream:
-            return await _stream(body, state, ctx, rid, prepared, t_start, claim)
+            return await _stream(body, request, state, ctx, rid, prepared, t_start, claim)
         return await _complete(body, request, state, ctx, rid, prepared, t_start, claim)
     except BaseException:
         if claim is not None:
@@ -113,13 +113,13 @@ async def _complete(
     gen = await generate(state, route, pick(state, route), prepared.payload, limits, gone)
     upstream = time.perf_counter() - t_up
     result = gen.result
+    if gen.cache is None:  # gone before prefill_done: the replica dropped it, nothing to bill
+        return _client_gone(state, rid, "while queued or prefilling")
     b = buckets_of(gen.cache, gen.output_tokens, limits)
     # NOTE: billed before the response leaves; the request id makes a retry a no-op.
     await bill(state, charge_of(rid, ctx, body, gen.replica, prepared, b))
     if result is None:
-        log.info("request %s: client went away after %d output tokens", rid, gen.output_tokens)
-        state.metrics.requests.labels("client_gone").inc()
-        return JSONResponse(envelope("api_error", "client disconnected", rid), 499)
+        return _client_gone(state, rid, f"after {gen.output_tokens} output tokens")
     headers = {SCOPE_HEADER: prepared.plan.scope, REPLICA_HEADER: gen.replica}
     msg = MessageResponse(
         id=f"msg_{rid.removeprefix('req_')}",
@@ -141,24 +141,38 @@ async def _complete(
 
 async def _stream(
     body: MessagesRequest,
+    request: Request,
     state: GatewayState,
     ctx: KeyContext,
     rid: str,
     prepared: Prepared,
     t_start: float,
     claim: idempotency.Claim | None,
-) -> StreamingResponse:
+) -> Response:
     # Open the upstream and wait for its prefill before answering, so that failures
     # up to that point are real HTTP errors rather than an SSE error event.
     route = RouteRequest(prepared.rendered.tokens, prepared.plan.key_spans, body.model)
     limits = ReportLimits.of(prepared)
     t_open = time.perf_counter()
-    opened = await open_stream(state, route, pick(state, route), prepared.payload, limits)
+    routed = pick(state, route)
+    opened = await open_watched(
+        state, route, routed, prepared.payload, limits, request.is_disconnected
+    )
+    if opened is None:  # gone before prefill_done: the replica dropped it, nothing to bill
+        if claim is not None:
+            await claim.release()
+        return _client_gone(state, rid, "while queued or prefilling")
     headers = {SCOPE_HEADER: prepared.plan.scope, REPLICA_HEADER: opened.replica.name}
     job = StreamJob(
         state, ctx, body, rid, prepared, limits, opened, headers, t_start, t_open, claim
     )
     return streaming.respond(job)
+
+
+def _client_gone(state: GatewayState, rid: str, when: str) -> JSONResponse:
+    log.info("request %s: client went away %s", rid, when)
+    state.metrics.requests.labels("client_gone").inc()
+    return JSONResponse(envelope("api_error", "client disconnected", rid), 499)
 
 
 @router.post("/v1/messages/count_tokens", response_model=CountTokensResponse)
