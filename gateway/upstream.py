@@ -94,11 +94,19 @@ class ReplicaClient:
                     # response began; it becomes one typed error for the relay to
                     # report, not an httpx exception escaping into the ASGI server.
                     try:
-                        async for line in resp.aiter_lines():
+                        lines = resp.aiter_lines()
+                        async for line in lines:
                             if line:
                                 event = json.loads(line)
                                 if not isinstance(event, dict):
                                     raise ValueError(f"not an object: {line[:80]!r}")
+                                if event.get("type") == "done":
+                                    # NOTE: the last line: read the body to its end
+                                    # first. httpx pools a connection only after its
+                                    # response was read in full; otherwise every
+                                    # request paid a new connection (bench/RESULTS.md).
+                                    async for _ in lines:
+                                        pass
                                 yield event
                     except httpx.TransportError as exc:
                         raise ReplicaStreamError(self.name, f"connection lost: {exc!r}") from exc

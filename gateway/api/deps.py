@@ -17,7 +17,10 @@ from ..tenants import KeyContext
 API_VERSION = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 
 
-def get_state(request: Request) -> GatewayState:
+# NOTE: every dependency here is async although none awaits: FastAPI runs a plain
+# `def` dependency in a worker thread, and five thread hops a request cost more than
+# the whole render (bench/RESULTS.md, gateway overhead).
+async def get_state(request: Request) -> GatewayState:
     state: GatewayState = request.app.state.gateway
     return state
 
@@ -25,7 +28,7 @@ def get_state(request: Request) -> GatewayState:
 StateDep = Annotated[GatewayState, Depends(get_state)]
 
 
-def request_id(request: Request) -> str:
+async def request_id(request: Request) -> str:
     return str(request.state.request_id)
 
 
@@ -50,13 +53,13 @@ async def get_caller(request: Request, state: StateDep) -> KeyContext:
 CallerDep = Annotated[KeyContext, Depends(get_caller)]
 
 
-def message_caller(ctx: CallerDep) -> KeyContext:
+async def message_caller(ctx: CallerDep) -> KeyContext:
     if ctx.is_admin:
         raise forbidden("admin keys cannot send messages; use an API key")
     return ctx
 
 
-def admin_caller(ctx: CallerDep) -> KeyContext:
+async def admin_caller(ctx: CallerDep) -> KeyContext:
     if not ctx.is_admin:
         raise forbidden("this endpoint needs an admin key")
     return ctx
@@ -66,7 +69,7 @@ MessageCallerDep = Annotated[KeyContext, Depends(message_caller)]
 AdminCallerDep = Annotated[KeyContext, Depends(admin_caller)]
 
 
-def get_betas(request: Request, state: StateDep) -> set[str]:
+async def get_betas(request: Request, state: StateDep) -> set[str]:
     version = request.headers.get("anthropic-version")
     if version is not None and not API_VERSION.match(version):
         raise invalid(f"anthropic-version: {version!r} is not a version date (YYYY-MM-DD)")
