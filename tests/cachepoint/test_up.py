@@ -69,28 +69,37 @@ def test_up_serves_until_ctrl_c(tmp_path, free_port):
         text=True,
     )
     try:
-        deadline = time.time() + 180
-        while not (state / "endpoint.json").exists():
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.time() < deadline
-            time.sleep(0.2)
+        _wait_for_endpoint(proc, state)
         ep = json.loads((state / "endpoint.json").read_text())
-        r = httpx.post(
-            f"{ep['base_url']}/v1/messages",
-            headers={"x-api-key": ep["api_key"]},
-            json={
-                "model": "cachepoint-tiny",
-                "max_tokens": 2,
-                "messages": [{"role": "user", "content": "hi"}],
-            },
-            timeout=60,
-        )
-        assert r.status_code == 200, r.text
+        _say(ep, "hi")
     finally:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     assert not [n for n, pid in ep["pids"].items() if _alive(pid)], "orphan processes left"
+
+
+def _wait_for_endpoint(proc: subprocess.Popen[str], state) -> None:
+    """Until `cachepoint up` has written endpoint.json (it is serving by then)."""
+    deadline = time.time() + 180
+    while not (state / "endpoint.json").exists():
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        assert time.time() < deadline
+        time.sleep(0.2)
+
+
+def _say(ep: dict, text: str) -> None:
+    r = httpx.post(
+        f"{ep['base_url']}/v1/messages",
+        headers={"x-api-key": ep["api_key"]},
+        json={
+            "model": "cachepoint-tiny",
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": text}],
+        },
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
 
 
 def _endpoint(state) -> dict:
@@ -117,11 +126,7 @@ def test_up_restarts_a_killed_replica_and_nats(tmp_path, free_port):
     )
     pids: set[int] = set()
     try:
-        deadline = time.time() + 180
-        while not (state / "endpoint.json").exists():
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.time() < deadline
-            time.sleep(0.2)
+        _wait_for_endpoint(proc, state)
         first = _endpoint(state)
         pids |= set(first["pids"].values())
         os.kill(first["pids"]["replica-0"], signal.SIGKILL)
@@ -143,17 +148,7 @@ def test_up_restarts_a_killed_replica_and_nats(tmp_path, free_port):
                 break
             assert time.time() < deadline, body
             time.sleep(0.3)
-        r = httpx.post(
-            f"{ep['base_url']}/v1/messages",
-            headers={"x-api-key": ep["api_key"]},
-            json={
-                "model": "cachepoint-tiny",
-                "max_tokens": 2,
-                "messages": [{"role": "user", "content": "still there?"}],
-            },
-            timeout=60,
-        )
-        assert r.status_code == 200, r.text
+        _say(ep, "still there?")
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
