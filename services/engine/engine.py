@@ -22,7 +22,7 @@ from .model import LayerHook
 from .runner import ModelRunner
 from .tokenizer import Tokenizer, load_tokenizer
 from .tp import StepPlan, TPWorkers, broadcast_plan, driver_layer_hook, init_group
-from .weights import read_hf_config
+from .weights import read_model_config
 
 
 class Engine:
@@ -54,7 +54,7 @@ class Engine:
         self.config = config = config or EngineConfig()
         folder = None if model_dir is None else Path(model_dir)
         if model_config is None:
-            model_config = ModelConfig.tiny() if folder is None else read_hf_config(folder)
+            model_config = ModelConfig.tiny() if folder is None else read_model_config(folder)
         self.model_config = model_config
         self.model_dir = folder  # None for a random-weight model
         self.tokenizer: Tokenizer = load_tokenizer(folder)

@@ -1,7 +1,8 @@
 """A Llama-architecture decoder whose attention reads and writes the paged KV pool.
 
 Module and parameter names follow Hugging Face's ``LlamaForCausalLM`` exactly, so a
-checkpoint's tensors load by name. Under tensor parallelism each rank builds the same
+checkpoint's tensors load by name; Qwen2's ``Qwen2ForCausalLM`` is the same tree plus
+q/k/v biases (``ModelConfig.qkv_bias``). Under tensor parallelism each rank builds the same
 module tree with its own shard sizes: q/k/v/gate/up hold a slice of the output rows
 (column parallel), o/down a slice of the input columns (row parallel, followed by an
 all-reduce); embeddings, norms and lm_head are replicated.
@@ -45,9 +46,12 @@ class LlamaAttention(nn.Module):
         self.head_dim = d = config.head_dim
         self.tp_size = tp_size
         h = config.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        # NOTE: Qwen2's q/k/v biases are column parallel like their weights: each rank
+        # adds its own heads' slice, so no collective is needed for them.
+        bias = config.qkv_bias
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
 
     def forward(

@@ -19,7 +19,7 @@ from .config import EngineConfig, ModelConfig
 from .device import resolve_device, resolve_dtype
 from .kv_pool import KVPool, KVPoolShape, blocks_for_budget, cuda_kv_budget, slot_mapping
 from .model import LayerHook, LlamaForCausalLM, build_model, weight_bytes
-from .weights import RandomWeights, SafetensorsWeights, WeightSource
+from .weights import RandomWeights, WeightSource, open_weights
 
 
 def activation_reserve_bytes(
@@ -70,7 +70,7 @@ class ModelRunner:
             source = RandomWeights(model_config, seed)
             self.model = self._build(source)
         else:
-            st = SafetensorsWeights(model_dir)
+            st = open_weights(model_dir, model_config)
             try:
                 self.model = self._build(st)
             finally:

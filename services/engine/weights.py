@@ -1,6 +1,6 @@
-"""Where weights come from: a seeded random source or a HF safetensors folder.
+"""Where weights come from: a seeded random source, a HF safetensors folder or a GGUF file.
 
-Both hand out tensors by their Hugging Face Llama names, already cut to one tensor
+All hand out tensors by their Hugging Face Llama names, already cut to one tensor
 parallel rank's shard, so the model never sees a full tensor it does not keep.
 """
 
@@ -12,15 +12,19 @@ import zlib
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from .config import ModelConfig
 
+if TYPE_CHECKING:
+    from .gguf_loader import GGUFWeights
+
 # Column-parallel weights split their output rows (dim 0), row-parallel ones their
 # input columns (dim 1); everything else is replicated on every rank.
-_COLUMN_PARALLEL = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$")
+# A column-parallel layer's bias (Qwen2's q/k/v) splits with its output rows.
+_COLUMN_PARALLEL = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 _ROW_PARALLEL = re.compile(r"\.(o_proj|down_proj)\.weight$")
 
 
@@ -58,6 +62,10 @@ def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.q_proj.weight"] = (config.num_heads * d, h)
         shapes[p + "self_attn.k_proj.weight"] = (config.num_kv_heads * d, h)
         shapes[p + "self_attn.v_proj.weight"] = (config.num_kv_heads * d, h)
+        if config.qkv_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (config.num_heads * d,)
+            shapes[p + "self_attn.k_proj.bias"] = (config.num_kv_heads * d,)
+            shapes[p + "self_attn.v_proj.bias"] = (config.num_kv_heads * d,)
         shapes[p + "self_attn.o_proj.weight"] = (h, config.num_heads * d)
         shapes[p + "mlp.gate_proj.weight"] = (config.intermediate_size, h)
         shapes[p + "mlp.up_proj.weight"] = (config.intermediate_size, h)
@@ -76,6 +84,11 @@ def _cut(t: torch.Tensor, name: str, rank: int, world: int) -> torch.Tensor:
         return t
     start, stop = shard_range(t.shape[dim], rank, world)
     return t.narrow(dim, start, stop - start)
+
+
+def cut_shard(t: torch.Tensor, name: str, rank: int, world: int) -> torch.Tensor:
+    """``rank``'s tensor-parallel shard of the full tensor ``t`` named ``name``."""
+    return _cut(t, name, rank, world)
 
 
 class RandomWeights:
@@ -160,3 +173,25 @@ def read_hf_config(folder: Path) -> ModelConfig:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: not a Hugging Face checkpoint folder")
     return ModelConfig.from_hf_config(json.loads(path.read_text()))
+
+
+def read_model_config(checkpoint: Path) -> ModelConfig:
+    """``ModelConfig`` of a checkpoint: a HF folder, or a ``.gguf`` file's metadata."""
+    from cachepoint.tokenizer.gguf_vocab import is_gguf
+
+    if is_gguf(checkpoint):
+        from .gguf_loader import read_gguf_config
+
+        return read_gguf_config(checkpoint)
+    return read_hf_config(checkpoint)
+
+
+def open_weights(checkpoint: Path, config: ModelConfig) -> SafetensorsWeights | GGUFWeights:
+    """The weight source of a checkpoint (call ``close()`` on it when the model is built)."""
+    from cachepoint.tokenizer.gguf_vocab import is_gguf
+
+    if is_gguf(checkpoint):
+        from .gguf_loader import GGUFWeights
+
+        return GGUFWeights(checkpoint, config)
+    return SafetensorsWeights(checkpoint)

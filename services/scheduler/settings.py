@@ -12,6 +12,14 @@ from cachepoint.events.subjects import check_replica_name
 from cachepoint.kvcore import DEFAULT_EVICTION, EVICTION_POLICIES
 from cachepoint.serve import shared_env
 
+from .model_source import (
+    MODEL_PRESETS,
+    RANDOM_MODEL_NAME,
+    checkpoint_model_name,
+    checkpoint_problem,
+    preset_path,
+)
+
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20}
 _UNITS |= {"mib": 2**20, "g": 2**30, "gb": 2**30, "gib": 2**30}
 
@@ -36,8 +44,18 @@ class ReplicaSettings(BaseSettings):
     name: str = Field("replica-0", description="replica name, unique in the fleet")
     host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(8100, ge=0, le=65535, description="HTTP port (0 = any free port)")
-    model_dir: Path | None = Field(None, description="HF Llama checkpoint folder; None = tiny")
-    model_name: str = Field("cachepoint-tiny", description="model id reported to the gateway")
+    model_dir: Path | None = Field(
+        None, description="HF Llama checkpoint folder or .gguf file; None = random weights"
+    )
+    model: str | None = Field(
+        None,
+        description=f"an installed named model instead of model_dir: {' | '.join(MODEL_PRESETS)}",
+    )
+    model_name: str = Field(
+        "",
+        description="model id reported to the gateway; default: the checkpoint's own name "
+        f"(GGUF general.name, HF folder name), {RANDOM_MODEL_NAME} for random weights",
+    )
     model_preset: str = Field(
         "tiny",
         pattern="^(tiny|small)$",
@@ -105,6 +123,26 @@ class ReplicaSettings(BaseSettings):
     @classmethod
     def _size(cls, v: object) -> object:
         return parse_bytes(v) if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _checkpoint(self) -> ReplicaSettings:
+        # NOTE: a real checkpoint never reports the random model's id: a gateway that
+        # routes by model would otherwise send cachepoint-tiny traffic to it.
+        if self.model is not None:
+            if self.model_dir is not None:
+                raise ValueError("give model or model_dir, not both")
+            self.model_dir = preset_path(self.model)
+            preset = MODEL_PRESETS[self.model]
+            self.model_name = self.model_name or preset.model_name
+            if "kv_cache_bytes" not in self.model_fields_set:
+                self.kv_cache_bytes = preset.kv_cache_bytes
+        if self.model_dir is not None:
+            problem = checkpoint_problem(self.model_dir)
+            if problem is not None:
+                raise ValueError(problem)
+            self.model_name = self.model_name or checkpoint_model_name(self.model_dir)
+        self.model_name = self.model_name or RANDOM_MODEL_NAME
+        return self
 
     @model_validator(mode="after")
     def _nats_auth(self) -> ReplicaSettings:

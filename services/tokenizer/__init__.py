@@ -1,4 +1,5 @@
-"""Tokenizers: a lossless byte-level default, and a checkpoint folder's ``tokenizer.json``.
+"""Tokenizers: a lossless byte-level default, a checkpoint folder's ``tokenizer.json``,
+or the one a GGUF file's metadata describes (gguf_vocab.py).
 
 Nothing here downloads anything: a tokenizer is either the built-in byte tokenizer or
 read from a local folder.
@@ -10,6 +11,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
+
+from .gguf_vocab import build_backend, is_gguf, read_vocab
 
 # NOTE: specials sit right after the 256 byte values so that every id below 256 is
 # exactly one byte; the role tokens let the gateway render turns without escaping text.
@@ -108,6 +111,13 @@ class HFTokenizer:
         self._eos_id = eos_id
         self._bos_id = bos_id
 
+    @classmethod
+    def from_backend(cls, tok: Any, eos_id: int | None, bos_id: int | None) -> HFTokenizer:
+        """Wrap an already built ``tokenizers.Tokenizer`` (e.g. one from GGUF metadata)."""
+        self = cls.__new__(cls)
+        self._tok, self._eos_id, self._bos_id = tok, eos_id, bos_id
+        return self
+
     @property
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
@@ -141,12 +151,16 @@ def _special_from_tokenizer_config(cfg: dict[str, Any], key: str, tok: HFTokeniz
 
 
 def load_tokenizer(model_dir: Path | None) -> Tokenizer:
-    """The byte tokenizer when ``model_dir`` is None, else the folder's ``tokenizer.json``.
+    """The byte tokenizer when ``model_dir`` is None, else the folder's ``tokenizer.json``,
+    or the tokenizer a ``.gguf`` file's metadata describes.
 
     BOS/EOS come from ``tokenizer_config.json`` when present, else ``config.json``.
     """
     if model_dir is None:
         return ByteTokenizer()
+    if is_gguf(model_dir):
+        vocab = read_vocab(model_dir)
+        return HFTokenizer.from_backend(build_backend(vocab), vocab.eos_id, vocab.bos_id)
     path = Path(model_dir) / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: a model folder needs its tokenizer.json")

@@ -56,11 +56,117 @@ def test_config_derives_head_dim_and_validates_shapes() -> None:
         ModelConfig.tiny(dtype="int8")
 
 
-def test_config_rejects_non_llama_and_biased_checkpoints() -> None:
-    with pytest.raises(ValueError, match="not a Llama"):
+def test_config_rejects_other_families_and_biased_llamas() -> None:
+    supported = r"\(supported: LlamaForCausalLM, Qwen2ForCausalLM\)"
+    with pytest.raises(ValueError, match=rf"model_type 'gpt2', architectures \[\] {supported}"):
         ModelConfig.from_hf_config({**LLAMA_3_2_1B, "model_type": "gpt2", "architectures": []})
+    mistral = {**LLAMA_3_2_1B, "model_type": "mistral", "architectures": ["MistralForCausalLM"]}
+    with pytest.raises(ValueError, match="unsupported architecture: model_type 'mistral'"):
+        ModelConfig.from_hf_config(mistral)
     with pytest.raises(ValueError, match="biases"):
         ModelConfig.from_hf_config({**LLAMA_3_2_1B, "attention_bias": True})
+    with pytest.raises(ValueError, match="hidden_act 'gelu'"):
+        ModelConfig.from_hf_config({**LLAMA_3_2_1B, "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="lacks 'hidden_size'"):
+        ModelConfig.from_hf_config({k: v for k, v in LLAMA_3_2_1B.items() if k != "hidden_size"})
+
+
+# Qwen2.5-0.5B-Instruct's config.json as published (transformers 4 layout).
+QWEN2_5_0_5B = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "hidden_act": "silu",
+    "hidden_size": 896,
+    "initializer_range": 0.02,
+    "intermediate_size": 4864,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 21,
+    "model_type": "qwen2",
+    "num_attention_heads": 14,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "sliding_window": 32768,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
+def test_config_reads_qwen2_and_refuses_its_sliding_window() -> None:
+    c = ModelConfig.from_hf_config(QWEN2_5_0_5B)
+    assert (c.model_type, c.qkv_bias, c.head_dim, c.rope_theta) == ("qwen2", True, 64, 1e6)
+    assert c.tie_word_embeddings
+    # Qwen2.5-0.5B has 494,032,768 parameters (tied embeddings, q/k/v biases).
+    assert c.num_parameters() == 494_032_768
+    assert ModelConfig.from_hf_config(c.to_hf_config()) == c
+    sliding = {**QWEN2_5_0_5B, "use_sliding_window": True}
+    with pytest.raises(ValueError, match="sliding-window attention"):
+        ModelConfig.from_hf_config(sliding)
+    # Sliding layers start at max_window_layers: none when it covers every layer.
+    assert ModelConfig.from_hf_config({**sliding, "max_window_layers": 24}).qkv_bias
+    v5_types = {**QWEN2_5_0_5B, "layer_types": ["full_attention"] * 23 + ["sliding_attention"]}
+    with pytest.raises(ValueError, match="sliding-window attention"):
+        ModelConfig.from_hf_config(v5_types)
+
+
+def test_config_reads_the_rope_base_and_scaling_of_both_layouts() -> None:
+    v4 = ModelConfig.from_hf_config(LLAMA_3_2_1B)
+    v5_layout = {k: v for k, v in LLAMA_3_2_1B.items() if k not in ("rope_theta", "rope_scaling")}
+    rope_parameters = {"rope_theta": 500000.0, **LLAMA_3_2_1B["rope_scaling"]}  # type: ignore[dict-item]
+    v5 = ModelConfig.from_hf_config({**v5_layout, "rope_parameters": rope_parameters})
+    assert v4 == v5
+    assert (v5.rope_theta, v5.rope_scaling) == (500000.0, LLAMA_3_2_1B["rope_scaling"])
+    # Plain RoPE in the v5 layout: only the base, no scaling.
+    plain = ModelConfig.from_hf_config(
+        {**v5_layout, "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}}
+    )
+    assert (plain.rope_theta, plain.rope_scaling) == (100000.0, None)
+    # v4's older spelling "type"; llama3's original length falls back like transformers'.
+    legacy = ModelConfig.from_hf_config(
+        {**LLAMA_3_2_1B, "rope_scaling": {"type": "linear", "factor": 2}}
+    )
+    assert legacy.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    no_len = {k: v for k, v in rope_parameters.items() if k != "original_max_position_embeddings"}
+    fallback = ModelConfig.from_hf_config({**v5_layout, "rope_parameters": no_len})
+    assert fallback.rope_scaling is not None
+    assert fallback.rope_scaling["original_max_position_embeddings"] == 131072
+
+
+@pytest.mark.parametrize(
+    ("rope", "message"),
+    [
+        (
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
+            r"unsupported rope_type 'yarn' \(supported: default, linear, llama3\)",
+        ),
+        (
+            {"rope_scaling": {"type": "dynamic", "factor": 2.0}},
+            r"unsupported rope_type 'dynamic' \(supported: default, linear, llama3\)",
+        ),
+        ({"rope_parameters": {"rope_type": "linear"}}, "rope_type 'linear' needs 'factor'"),
+        (
+            {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+            "partial_rotary_factor",
+        ),
+        (
+            {"rope_parameters": {"full_attention": {"rope_type": "default"}}},
+            "per-layer-type rope_parameters",
+        ),
+    ],
+)
+def test_config_refuses_rope_it_cannot_compute(rope: dict[str, object], message: str) -> None:
+    base = {k: v for k, v in LLAMA_3_2_1B.items() if k != "rope_scaling"}
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_config({**base, **rope})
+    # A config built in code is checked the same way.
+    with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
+        ModelConfig.tiny(rope_scaling={"rope_type": "yarn", "factor": 4.0})
 
 
 def test_config_parameter_count_matches_a_known_model() -> None:
