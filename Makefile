@@ -38,8 +38,8 @@ $(STAMP): $(PY) pyproject.toml setup.py
 
 venv install: $(STAMP)  ## create .venv and install everything
 
-run: $(STAMP)  ## set up, start the embedded stack, replay the demo session, keep serving
-	$(VENV)/bin/cachepoint up --demo
+run: $(STAMP)  ## set up, start the stack on SmolLM2-135M-Instruct, replay the demo, keep serving
+	$(VENV)/bin/cachepoint up --demo --model smollm2
 
 lint: $(STAMP)  ## ruff lint + format check
 	$(VENV)/bin/ruff check .
@@ -60,6 +60,7 @@ test: lint typecheck pytest  ## set up, then lint, typecheck and run every test
 bench: $(STAMP)  ## run every benchmark (minutes; never part of `make test`)
 	$(PY) bench/kvcore_bench.py
 	$(PY) bench/prefill_bench.py
+	$(PY) bench/model_bench.py
 	$(PY) bench/gateway_bench.py
 	$(PY) bench/routing_bench.py
 	$(PY) bench/tracing_bench.py --sessions 8

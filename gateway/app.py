@@ -10,13 +10,12 @@ from fastapi import FastAPI
 from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
 
 from cachepoint.telemetry import Telemetry, configure, instrument_server
-from cachepoint.tokenizer import load_tokenizer
 
 from .api import errors
 from .api.middleware import RequestIdMiddleware
 from .api.routes import admin, health, messages, models, reports
 from .bus import event_plane
-from .contract.render import Renderer
+from .contract.template import build_renderer, checkpoint_context_window
 from .db.migrate import upgrade
 from .db.session import make_engine, make_sessionmaker
 from .metrics import listen
@@ -36,6 +35,10 @@ def create_app(
     other way than the directory's policy, and ``telemetry`` to trace somewhere other
     than the CACHEPOINT_TELEMETRY_* settings say."""
     tel = telemetry or configure("cachepoint-gateway")
+    window = checkpoint_context_window(settings.model_dir)
+    if window and "max_context_tokens" not in settings.model_fields_set:
+        # NOTE: a real checkpoint's context length is its window unless one is set.
+        settings = settings.model_copy(update={"max_context_tokens": window})
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -62,7 +65,7 @@ def create_app(
             app.state.gateway = GatewayState(
                 settings=settings,
                 sessions=make_sessionmaker(engine),
-                renderer=Renderer(load_tokenizer(settings.model_dir)),
+                renderer=build_renderer(settings.model_dir),
                 router=chosen,
                 tracer=tel.tracer,
             )

@@ -58,7 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--routing-policy", help="cache_aware (default), least_loaded, round_robin, ...")
     p.add_argument("--model", dest="models", action="append", help="model id served (repeatable)")
-    p.add_argument("--model-dir", type=Path, help="tokenizer folder; default: byte tokenizer")
+    p.add_argument(
+        "--model-dir",
+        type=Path,
+        help=(
+            "the served checkpoint (HF folder or .gguf file): its tokenizer and chat template; "
+            "default: byte tokenizer"
+        ),
+    )
     p.add_argument("--block-size", type=int, help="the replicas' KV block size (default 16)")
     p.add_argument("--min-cacheable-tokens", type=int, help="shorter prefixes are not cached")
     p.add_argument(

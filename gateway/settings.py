@@ -105,7 +105,10 @@ class GatewaySettings(BaseSettings):
     models: list[str] = Field(
         default_factory=lambda: ["cachepoint-tiny"], description="model ids served"
     )
-    model_dir: Path | None = Field(None, description="tokenizer folder; None = byte tokenizer")
+    model_dir: Path | None = Field(
+        None,
+        description="checkpoint (HF folder or .gguf): tokenizer, chat template; None = bytes",
+    )
     block_size: int = Field(16, ge=1, description="the replicas' KV block size")
     max_context_tokens: int = Field(8192, ge=16, description="prompt + max_tokens limit")
     min_cacheable_tokens: int = Field(1024, ge=0, description="shorter prefixes are not cached")

@@ -16,6 +16,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from .accounting import bill, charge_of
+from .contract.toolcalls import Part, TextPart, ToolCallParser, offered
 from .dispatch import Opened, error_of, reject_report, stream_broke
 from .errors import ApiError, envelope
 from .idempotency import Claim
@@ -58,6 +59,50 @@ class _Progress:
     charged: bool = False  # the full charge is written: the key keeps this stream
 
 
+@dataclass(slots=True)
+class _Blocks:
+    """Content blocks as SSE events: text deltas and tool calls, indexes in order."""
+
+    index: int = -1  # the index of the last block started
+    text_open: bool = False  # the block at ``index`` is a text block still open
+    tool_uses: int = 0  # tool_use blocks sent
+
+    def text(self, text: str) -> list[bytes]:
+        out: list[bytes] = []
+        if not self.text_open:
+            self.index, self.text_open = self.index + 1, True
+            block = {"type": "text", "text": ""}
+            out.append(_event("content_block_start", index=self.index, content_block=block))
+        if text:
+            delta = {"type": "text_delta", "text": text}
+            out.append(_event("content_block_delta", index=self.index, delta=delta))
+        return out
+
+    def part(self, part: Part) -> list[bytes]:
+        if isinstance(part, TextPart):
+            return self.text(part.text)
+        out = self.close()
+        self.index += 1
+        self.tool_uses += 1
+        block = {"type": "tool_use", "id": part.id, "name": part.name, "input": {}}
+        args = json.dumps(part.input, separators=(",", ":"), ensure_ascii=False)
+        delta = {"type": "input_json_delta", "partial_json": args}
+        out.append(_event("content_block_start", index=self.index, content_block=block))
+        out.append(_event("content_block_delta", index=self.index, delta=delta))
+        out.append(_event("content_block_stop", index=self.index))
+        return out
+
+    def close(self) -> list[bytes]:
+        if not self.text_open:
+            return []
+        self.text_open = False
+        return [_event("content_block_stop", index=self.index)]
+
+
+def _event(kind: str, **data: Any) -> bytes:
+    return sse(kind, {"type": kind, **data})
+
+
 def respond(job: StreamJob) -> StreamingResponse:
     return StreamingResponse(_relay(job), media_type="text/event-stream", headers=job.headers)
 
@@ -70,6 +115,11 @@ async def _relay(job: StreamJob) -> AsyncIterator[bytes]:
     state.metrics.ttft.observe(now - job.t_open)
     waited = now - job.t_open  # seconds spent waiting on the replica
     progress = _Progress()
+    names = offered(job.body)
+    # NOTE: without tools the text passes straight through, in one block opened at once
+    # (as before); with tools, blocks open as the parser finds text or calls.
+    parser = ToolCallParser(names) if names is not None else None
+    blocks = _Blocks()
     recorded: list[bytes] | None = [] if job.claim is not None else None
 
     async def charge(out_tokens: int) -> bool:
@@ -111,16 +161,9 @@ async def _relay(job: StreamJob) -> AsyncIterator[bytes]:
                 },
             )
         )
-        yield out(
-            sse(
-                "content_block_start",
-                {
-                    "type": "content_block_start",
-                    "index": 0,
-                    "content_block": {"type": "text", "text": ""},
-                },
-            )
-        )
+        if parser is None:
+            for chunk in blocks.text(""):
+                yield out(chunk)
         yield out(sse("ping", {"type": "ping"}))
         final: dict[str, Any] | None = None
         while final is None:
@@ -135,15 +178,16 @@ async def _relay(job: StreamJob) -> AsyncIterator[bytes]:
             if kind == "token":
                 progress.pending += 1
                 check_output(progress.delivered + progress.pending, job.limits)
-                text = ev.get("text")
-                if text:
-                    delta = {"type": "text_delta", "text": str(text)}
-                    yield out(
-                        sse(
-                            "content_block_delta",
-                            {"type": "content_block_delta", "index": 0, "delta": delta},
-                        )
-                    )
+                text = str(ev.get("text") or "")
+                chunks: list[bytes] = []
+                if parser is not None:
+                    for part in parser.feed(text):
+                        chunks += blocks.part(part)
+                elif text:
+                    chunks = blocks.text(text)
+                for chunk in chunks:
+                    yield out(chunk)
+                if chunks:
                     # NOTE: a generator resumes after `yield` only once the server has
                     # taken the chunk: from here these tokens count as delivered.
                     progress.delivered += progress.pending
@@ -160,13 +204,16 @@ async def _relay(job: StreamJob) -> AsyncIterator[bytes]:
                 f"final output_tokens {out_tokens!r} after "
                 f"{progress.delivered + progress.pending} token events"
             )
-        yield out(sse("content_block_stop", {"type": "content_block_stop", "index": 0}))
+        tail = [c for part in parser.finish() for c in blocks.part(part)] if parser else []
+        for chunk in tail + blocks.close():
+            yield out(chunk)
         # NOTE: billed before the final usage leaves: the request id makes it once only.
         if not await charge(out_tokens):  # logged; the key is released for a retry
             yield sse("error", envelope("api_error", "could not record usage", rid))
             return
         usage = usage_of(buckets_of(cache, out_tokens, job.limits)).model_dump()
         usage.pop("cache_creation")
+        stop_reason, stop_sequence = final.get("stop_reason"), final.get("stop_sequence")
         # NOTE: recorded before they leave: once the full charge is written, the key
         # keeps this whole stream, so a retry replays it even if this client hangs up
         # before these last events reach it, and is not generated or billed again.
@@ -177,8 +224,8 @@ async def _relay(job: StreamJob) -> AsyncIterator[bytes]:
                     {
                         "type": "message_delta",
                         "delta": {
-                            "stop_reason": final.get("stop_reason"),
-                            "stop_sequence": final.get("stop_sequence"),
+                            "stop_reason": "tool_use" if blocks.tool_uses else stop_reason,
+                            "stop_sequence": None if blocks.tool_uses else stop_sequence,
                         },
                         "usage": usage,
                     },

@@ -12,7 +12,7 @@ import json
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from ..schemas.messages import (
     CacheControl,
@@ -26,6 +26,9 @@ from ..schemas.messages import (
     ToolResultBlock,
     ToolUseBlock,
 )
+
+if TYPE_CHECKING:
+    from .template import TemplateRenderer
 
 Section = Literal["tools", "system", "messages"]
 
@@ -130,11 +133,18 @@ def _cacheable(block: ContentBlock) -> bool:
 
 
 class Renderer:
-    """Renders requests with one tokenizer. Role markers are the tokenizer's special
-    tokens when it has them (the byte tokenizer does), else short text markers."""
+    """Renders requests with one tokenizer. With a ``chat_template`` (a real model's),
+    through that template (contract/template.py). Without one, canonically: role
+    markers are the tokenizer's special tokens when it has them (the byte tokenizer
+    does), else short text markers."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None) -> None:
         self.tokenizer = tokenizer
+        self.template: TemplateRenderer | None = None
+        if chat_template is not None:
+            from .template import TemplateRenderer
+
+            self.template = TemplateRenderer(tokenizer, chat_template)
         self._marks = {
             name: self._marker(name) for name in ("tool", "system", "user", "assistant", "sep")
         }
@@ -148,6 +158,8 @@ class Renderer:
         return self.tokenizer.encode("\n" if name == "sep" else f"\n<{name}>\n")
 
     def render(self, request: RenderableRequest) -> RenderedPrompt:
+        if self.template is not None:
+            return self.template.render(request)
         toks: list[int] = list(self._bos)
         spans: list[BlockSpan] = []
         enc = self.tokenizer.encode

@@ -240,11 +240,20 @@ class TextOut(BaseModel):
     text: str
 
 
+class ToolUseOut(BaseModel):
+    """A tool call the model made (parsed from its output by contract.toolcalls)."""
+
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
 class MessageResponse(BaseModel):
     id: str
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
-    content: list[TextOut]
+    content: list[TextOut | ToolUseOut]
     model: str
     stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
     stop_sequence: str | None
@@ -260,6 +269,8 @@ class ModelInfo(BaseModel):
     id: str
     display_name: str
     created_at: str
+    max_input_tokens: int | None = None  # the context window (prompt + max_tokens)
+    max_tokens: int | None = None  # the largest max_tokens a 1-token prompt could take
 
 
 class ModelList(BaseModel):

@@ -70,6 +70,7 @@ class Turn:
     uncached_micros: int
     ttft_s: float
     request_id: str
+    reply: str = ""  # the model's text (the first text block), shown in the report
 
 
 MAX_TOKENS = 24
@@ -96,7 +97,7 @@ def user_turn(i: int, tool_id: str | None) -> dict[str, Any]:
             {
                 "type": "tool_result",
                 "tool_use_id": tool_id,
-                "content": f"# {path}\n" + "def function_{i}(x):\n    return x * {i}\n" * 3,
+                "content": f"# {path}\n" + f"def function_{i}(x):\n    return x * {i}\n" * 3,
             }
         )
     blocks.append({"type": "text", "text": f"Step {i}: look at the next file and report."})
@@ -137,7 +138,11 @@ def strip_breakpoints(messages: list[dict[str, Any]]) -> None:
 
 
 def run_session(
-    base_url: str, api_key: str, turns: int = 12, console: Console | None = None
+    base_url: str,
+    api_key: str,
+    turns: int = 12,
+    console: Console | None = None,
+    model: str = MODEL,
 ) -> list[Turn]:
     console = console or Console()
     client = anthropic.Anthropic(base_url=base_url, api_key=api_key, max_retries=2)
@@ -153,7 +158,7 @@ def run_session(
             t0 = time.perf_counter()
             ttft = 0.0
             with client.messages.stream(
-                model=MODEL,
+                model=model,
                 max_tokens=MAX_TOKENS,
                 tools=TOOLS,
                 system=system,
@@ -192,14 +197,21 @@ def run_session(
                     request_id,
                 )
             )
-            text = final.content[0].text if final.content else ""
+            # NOTE: a real model may answer with a tool_use block first (or only).
+            text = next((b.text for b in final.content if b.type == "text"), "")
+            results[-1].reply = text
             reply, tool_id = assistant_turn(i, text)
             messages.append(reply)
             progress.advance(task)
     return results
 
 
-def print_report(turns: list[Turn], console: Console) -> None:
+def print_report(turns: list[Turn], console: Console, replies: bool = False) -> None:
+    """The per-turn table and the saving; with ``replies``, each turn's answer first
+    (a real model's; the tiny random model's text is noise)."""
+    if replies:
+        for r in turns:
+            console.print(f"turn {r.n}: {r.reply.strip()!r}", markup=False, highlight=False)
     t = Table(title="agent session through the gateway")
     for col in (
         "turn",

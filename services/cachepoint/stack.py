@@ -28,6 +28,13 @@ import httpx
 from cachepoint.gateway.db.migrate import upgrade
 from cachepoint.gateway.db.session import make_engine, make_sessionmaker
 from cachepoint.gateway.tenants import TenantError, create_key, create_org, get_org, set_policy
+from cachepoint.scheduler.model_source import (
+    MODEL_PRESETS,
+    RANDOM_MODEL_NAME,
+    checkpoint_model_name,
+    checkpoint_problem,
+    preset_path,
+)
 
 from .credentials import StackCredentials
 from .supervise import Backoff, ChildEvent, Supervised, Supervisor
@@ -134,7 +141,8 @@ class Stack:
     replicas: int = 2
     port: int = 8080
     model_dir: Path | None = None
-    kv_budget: str = "64MiB"
+    model: str | None = None  # an installed named model (MODEL_PRESETS), instead of model_dir
+    kv_budget: str | None = "64MiB"  # KV per replica; None = the replica's (a preset's own)
     min_cacheable_tokens: int = 1024
     routing_policy: str = "cache_aware"
     model_preset: str = "tiny"
@@ -150,6 +158,25 @@ class Stack:
     # NOTE: held while a child is spawned again, so stop() never races a restart.
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def checkpoint(self) -> Path | None:
+        """The file or folder the replicas load: --model's installed file, or model_dir."""
+        if self.model is None:
+            return self.model_dir
+        if self.model_dir is not None:
+            raise StackError("give --model or --model-dir, not both")
+        try:
+            return preset_path(self.model)
+        except ValueError as exc:
+            raise StackError(str(exc)) from None
+
+    def served_model(self) -> str:
+        """The model id clients send: the preset's, the checkpoint's own, or the tiny one's."""
+        if self.model is not None and self.model in MODEL_PRESETS:
+            return MODEL_PRESETS[self.model].model_name
+        if self.model_dir is not None:
+            return checkpoint_model_name(self.model_dir)
+        return RANDOM_MODEL_NAME
+
     @property
     def db_url(self) -> str:
         return f"sqlite:///{self.state_dir.resolve()}/cachepoint.db"
@@ -163,8 +190,11 @@ class Stack:
     def start(self, progress: Callable[[str], None] = lambda _: None) -> None:
         if port_in_use(self.port):
             raise StackError(f"port {self.port} is already in use; pick another with --port")
-        if self.model_dir is not None and not (self.model_dir / "config.json").is_file():
-            raise StackError(f"--model-dir {self.model_dir} has no config.json")
+        checkpoint = self.checkpoint()
+        if self.model_dir is not None:
+            problem = checkpoint_problem(self.model_dir)
+            if problem is not None:
+                raise StackError(f"--model-dir {problem}")
         binary = nats_binary()
         for sub in ("logs", "nats", "traces"):
             (self.state_dir / sub).mkdir(parents=True, exist_ok=True)
@@ -211,14 +241,16 @@ class Stack:
                     self.nats_url,
                     "--advertise-url",
                     url,
-                    "--kv-budget",
-                    self.kv_budget,
                     "--model-preset",
                     self.model_preset,
                     "--log-level",
                     "warning",
                 ]
-                if self.model_dir is not None:
+                if self.kv_budget is not None:
+                    args += ["--kv-budget", self.kv_budget]
+                if self.model is not None:
+                    args += ["--model", self.model]
+                elif self.model_dir is not None:
                     args += ["--model-dir", str(self.model_dir)]
                 progress(f"starting replica-{i}")
                 self._spawn(f"replica-{i}", args, url)
@@ -246,8 +278,11 @@ class Stack:
             # NAME=URL: the only URL each replica may announce (the gateway's exact check).
             for i, url in enumerate(replica_urls):
                 gargs += ["--replica", f"replica-{i}={url}"]
-            if self.model_dir is not None:
-                gargs += ["--model-dir", str(self.model_dir)]
+            if checkpoint is not None:
+                # NOTE: the replicas' own tokenizer (a .gguf's or the folder's), so the
+                # gateway's token counts and breakpoints are the model's; and the model's
+                # id is the one served (the replicas report it too).
+                gargs += ["--model-dir", str(checkpoint), "--model", self.served_model()]
             mport = free_port()
             self.metrics_url = f"http://127.0.0.1:{mport}"
             gargs += ["--metrics-port", str(mport)]

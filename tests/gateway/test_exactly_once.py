@@ -1,10 +1,11 @@
 """Exactly-once billing on the request path (issue 12, findings 2, 3 and 5).
 
 The gateway runs for real (uvicorn, SQLite or PostgreSQL ledger) with the official SDK
-as its client. Its replica is scripted: a small app that speaks the replica API with
-chosen token texts, a chosen pace, or a forged usage report, and records how many
-token events it actually wrote per request; or a raw socket server that starts a
-stream and then resets the connection, as a replica killed mid-stream does.
+as its client. Its replica is scripted (tests/gateway/scripted.py): a small app that
+speaks the replica API with chosen token texts, a chosen pace, or a forged usage
+report, and records how many token events it actually wrote per request; or a raw
+socket server that starts a stream and then resets the connection, as a replica
+killed mid-stream does.
 """
 
 from __future__ import annotations
@@ -17,186 +18,27 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import anthropic
 import httpx
 import pytest
-from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
 from sqlalchemy import text, update
 
 from cachepoint.gateway.app import create_app
-from cachepoint.gateway.db.migrate import upgrade
 from cachepoint.gateway.db.models import IdempotencyRecord
-from cachepoint.gateway.db.session import make_engine, make_sessionmaker
+from cachepoint.gateway.db.session import make_engine
 from cachepoint.gateway.settings import GatewaySettings
-from cachepoint.gateway.tenants import create_key, create_org
-from cachepoint.gateway.upstream import ReplicaClient, Routed
 
-MODEL = "cachepoint-tiny"
+from .scripted import MODEL, Gateway, Script, StaticRouter, gateway_factory, scripted_replica
+from .scripted import seed as _seed
+
 MSGS = [{"role": "user", "content": "Tell me about kettles."}]
-
-
-# ------------------------------------------------------------------ scripted replica
-
-
-@dataclass
-class Script:
-    """How the scripted replica answers, and what it saw."""
-
-    texts: list[str] = field(default_factory=lambda: ["ab"])  # token texts, cycled
-    delay_s: float = 0.0  # before each token event
-    cache: dict[str, Any] = field(default_factory=dict)  # forged cache report fields
-    extra_tokens: int = 0  # token events beyond max_tokens (a forged count)
-    final_delta: int = 0  # added to the final output_tokens (a forged count)
-    prefill_s: float = 0.0  # queue + prefill before prefill_done (dropped on a hang-up)
-    dropped: set[str] = field(default_factory=set)  # request ids dropped before prefill_done
-    calls: int = 0  # generate calls
-    sent: dict[str, int] = field(default_factory=dict)  # request id -> token events written
-    finished: set[str] = field(default_factory=set)  # request ids streamed to the end
-
-
-def scripted_replica(script: Script) -> FastAPI:
-    app = FastAPI()
-
-    @app.post("/v1/generate")
-    async def generate(request: Request) -> Any:
-        body = await request.json()
-        script.calls += 1
-        rid = body["request_id"]
-        n = body["max_tokens"] + script.extra_tokens
-        prompt = len(body["token_ids"])
-        cache = {
-            "prompt_tokens": prompt,
-            "engine_hit_tokens": 0,
-            "computed_tokens": prompt,
-            "entry_hit_tokens": 0,
-            "entry_hit_lookback": None,
-            "written_5m_tokens": 0,
-            "written_1h_tokens": 0,
-            "retention_refused": False,
-            "refusal_reason": None,
-            **script.cache,
-        }
-        # NOTE: like the replica, it polls for a hang-up while the request is queued or
-        # prefilling, and drops it: no prefill_done, nothing committed.
-        end = time.monotonic() + script.prefill_s
-        while time.monotonic() < end:
-            if await request.is_disconnected():
-                script.dropped.add(rid)
-                return Response(status_code=499)
-            await asyncio.sleep(0.05)
-        texts = [script.texts[i % len(script.texts)] for i in range(n)]
-        result = {
-            "request_id": rid,
-            "replica": "fake",
-            "epoch": 1,
-            "model": MODEL,
-            "output_token_ids": list(range(n)),
-            "text": "".join(texts),
-            "stop_reason": "max_tokens",
-            "stop_sequence": None,
-            "output_tokens": n + script.final_delta,
-            "cache": cache,
-            "timings": {"queue_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "ttft_s": 0.0},
-        }
-        if not body.get("stream"):  # the replica's plain answer: after the whole generation
-            await asyncio.sleep(script.delay_s * n)
-            script.sent[rid] = n
-            script.finished.add(rid)
-            return result
-
-        def line(obj: object) -> bytes:
-            return (json.dumps(obj) + "\n").encode()
-
-        async def lines() -> Any:
-            script.sent[rid] = 0
-            yield line({"type": "prefill_done", "cache": cache})
-            for i, t in enumerate(texts):
-                if script.delay_s:
-                    await asyncio.sleep(script.delay_s)
-                yield line({"type": "token", "token_id": i, "text": t})
-                script.sent[rid] += 1  # resumed: the server took the line
-            yield line({"type": "done", "response": result})
-            script.finished.add(rid)
-
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
-
-    return app
-
-
-class StaticRouter:
-    """Every request to one replica; remembers the replicas reported as failed."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.client: ReplicaClient | None = None
-        self.failures: list[str] = []
-
-    def pick(self, req: Any) -> Routed:
-        if self.client is None:  # NOTE: made lazily, on the gateway's own event loop
-            self.client = ReplicaClient("fake", self.url, httpx.AsyncClient(timeout=30))
-        return Routed(self.client, None)
-
-    def report_failure(self, name: str) -> None:
-        self.failures.append(name)
-
-    def freshness_s(self, name: str) -> float | None:
-        return None
-
-
-@dataclass
-class Gateway:
-    url: str  # base URL
-    db: str  # ledger URL
-    keys: dict[str, str]  # "a", "b": API keys of two orgs
-    router: StaticRouter
-
-    def client(self, who: str = "a", **kw: Any) -> anthropic.Anthropic:
-        kw.setdefault("max_retries", 0)
-        return anthropic.Anthropic(base_url=self.url, api_key=self.keys[who], **kw)
-
-    def rows(self) -> list[Any]:
-        engine = make_engine(self.db)
-        try:
-            with engine.connect() as conn:
-                q = "SELECT request_id, output_tokens, input_tokens FROM usage"
-                return list(conn.execute(text(q)))
-        finally:
-            engine.dispose()
-
-    def wait_rows(self, n: int, timeout: float = 10.0) -> list[Any]:
-        deadline = time.time() + timeout
-        while len(rows := self.rows()) < n and time.time() < deadline:
-            time.sleep(0.05)
-        return rows
-
-
-def _seed(db: str) -> dict[str, str]:
-    engine = make_engine(db)
-    upgrade(engine)
-    keys = {}
-    with make_sessionmaker(engine)() as s:
-        for name in ("a", "b"):
-            keys[name] = create_key(s, create_org(s, name))[1]
-        s.commit()
-    engine.dispose()
-    return keys
 
 
 @pytest.fixture
 def gateway_for(serve, tmp_path):
-    def make(script: Script, db: str | None = None, **settings: Any) -> Gateway:
-        db = db or f"sqlite:///{tmp_path}/gw-{uuid.uuid4().hex[:6]}.db"
-        keys = _seed(db)
-        router = StaticRouter(serve(scripted_replica(script)))
-        gw_settings = GatewaySettings(database_url=db, **settings)
-        url = serve(create_app(gw_settings, router=router))
-        return Gateway(url, db, keys, router)
-
-    return make
+    return gateway_factory(serve, tmp_path)
 
 
 # ------------------------------------------------------------------ idempotency keys

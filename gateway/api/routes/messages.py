@@ -12,6 +12,7 @@ from opentelemetry import trace
 
 from ... import idempotency, requestlog, streaming
 from ...accounting import bill, charge_of
+from ...contract import toolcalls
 from ...dispatch import generate, open_watched, pick
 from ...errors import envelope, not_found
 from ...pipeline import Prepared, ReportLimits, buckets_of, plan_cache, prepare, usage_of
@@ -21,6 +22,7 @@ from ...schemas.messages import (
     MessageResponse,
     MessagesRequest,
     TextOut,
+    ToolUseOut,
 )
 from ...state import GatewayState
 from ...streaming import StreamJob
@@ -121,12 +123,13 @@ async def _complete(
     if result is None:
         return _client_gone(state, rid, f"after {gen.output_tokens} output tokens")
     headers = {SCOPE_HEADER: prepared.plan.scope, REPLICA_HEADER: gen.replica}
+    content, stop_reason, stop_sequence = _answer(body, result)
     msg = MessageResponse(
         id=f"msg_{rid.removeprefix('req_')}",
-        content=[TextOut(text=result["text"])],
+        content=content,
         model=body.model,
-        stop_reason=result["stop_reason"],
-        stop_sequence=result.get("stop_sequence"),
+        stop_reason=stop_reason,
+        stop_sequence=stop_sequence,
         usage=usage_of(b),
     )
     response = JSONResponse(msg.model_dump(), headers=headers)
@@ -167,6 +170,22 @@ async def _stream(
         state, ctx, body, rid, prepared, limits, opened, headers, t_start, t_open, claim
     )
     return streaming.respond(job)
+
+
+def _answer(body: MessagesRequest, result: dict[str, Any]) -> tuple[list[Any], Any, Any]:
+    """The replica's text as content blocks, its tool calls as ``tool_use`` blocks."""
+    names = toolcalls.offered(body)
+    if names is None:
+        return [TextOut(text=result["text"])], result["stop_reason"], result.get("stop_sequence")
+    content = [
+        ToolUseOut(id=p.id, name=p.name, input=p.input)
+        if isinstance(p, toolcalls.ToolCall)
+        else TextOut(text=p.text)
+        for p in toolcalls.split(result["text"], names)
+    ]
+    if any(isinstance(block, ToolUseOut) for block in content):
+        return content, "tool_use", None
+    return content, result["stop_reason"], result.get("stop_sequence")
 
 
 def _client_gone(state: GatewayState, rid: str, when: str) -> JSONResponse:

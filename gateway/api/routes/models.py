@@ -6,6 +6,7 @@ from fastapi import APIRouter
 
 from ...errors import not_found
 from ...schemas.messages import ModelInfo, ModelList
+from ...state import GatewayState
 from ..deps import CallerDep, StateDep
 
 router = APIRouter(tags=["models"])
@@ -13,9 +14,23 @@ router = APIRouter(tags=["models"])
 _CREATED = "2026-11-01T00:00:00Z"
 
 
+def _info(state: GatewayState, model: str) -> ModelInfo:
+    # NOTE: one gateway renders for one checkpoint, so every model id shares its window
+    # (the checkpoint's context length, or --max-context-tokens); as Anthropic's
+    # ModelInfo has them, max_input_tokens is the window and max_tokens the output cap.
+    window = state.settings.max_context_tokens
+    return ModelInfo(
+        id=model,
+        display_name=model,
+        created_at=_CREATED,
+        max_input_tokens=window,
+        max_tokens=window - 1,
+    )
+
+
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(state: StateDep, _: CallerDep) -> ModelList:
-    data = [ModelInfo(id=m, display_name=m, created_at=_CREATED) for m in state.models()]
+    data = [_info(state, m) for m in state.models()]
     return ModelList(
         data=data,
         first_id=data[0].id if data else None,
@@ -27,4 +42,4 @@ async def list_models(state: StateDep, _: CallerDep) -> ModelList:
 async def get_model(model_id: str, state: StateDep, _: CallerDep) -> ModelInfo:
     if model_id not in state.models():
         raise not_found(f"model: {model_id}")
-    return ModelInfo(id=model_id, display_name=model_id, created_at=_CREATED)
+    return _info(state, model_id)

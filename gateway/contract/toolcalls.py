@@ -1,0 +1,180 @@
+"""Tool calls in the model's output text, as Messages API ``tool_use`` blocks.
+
+ChatML/Qwen-style models call a tool by writing
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, possibly several times and
+possibly after some text. ``ToolCallParser`` reads that text incrementally (token
+texts as they arrive), so a stream can relay plain text at once and still turn a call
+into a ``tool_use`` block; ``split`` runs the same parser over a whole text, so a
+streamed and a collected answer always have the same blocks.
+
+A call is accepted only if its JSON parses to an object naming a tool the request
+declared, with an object (or a JSON string holding one) as its arguments; anything
+else (unknown tool, malformed JSON, an unclosed tag) stays plain text.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import string
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..schemas.messages import MessagesRequest
+
+OPEN = "<tool_call>"
+CLOSE = "</tool_call>"
+_ID_CHARS = string.ascii_letters + string.digits
+
+
+def new_tool_use_id() -> str:
+    """``toolu_`` and 24 random base62 characters, the shape of Anthropic's ids."""
+    return "toolu_" + "".join(secrets.choice(_ID_CHARS) for _ in range(24))
+
+
+def offered(body: MessagesRequest) -> frozenset[str] | None:
+    """The tool names a call may use; None when the output is not parsed at all
+    (no tools declared, or ``tool_choice: none``)."""
+    if not body.tools or (body.tool_choice is not None and body.tool_choice.type == "none"):
+        return None
+    return frozenset(tool.name for tool in body.tools)
+
+
+@dataclass(frozen=True, slots=True)
+class TextPart:
+    """Text for the current text block (a new block starts if none is open)."""
+
+    text: str  # may be empty: an empty output still has its one text block
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One accepted call: a ``tool_use`` block of its own."""
+
+    id: str  # toolu_...
+    name: str  # a declared tool's name
+    input: dict[str, Any]  # the call's arguments
+
+
+Part = TextPart | ToolCall
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_call(inner: str, names: frozenset[str]) -> ToolCall | None:
+    """The call between the tags, or None when it is not an acceptable call."""
+    try:
+        obj = json.loads(inner, parse_constant=_no_constant)
+        if not isinstance(obj, dict):
+            return None
+        name, args = obj.get("name"), obj.get("arguments", {})
+        if isinstance(args, str):
+            args = json.loads(args, parse_constant=_no_constant)
+        if not isinstance(name, str) or name not in names or not isinstance(args, dict):
+            return None
+        # NOTE: a lone surrogate ("\ud800") is valid JSON but cannot be sent as UTF-8.
+        json.dumps(args, ensure_ascii=False).encode()
+    except (ValueError, RecursionError, UnicodeEncodeError):
+        return None
+    return ToolCall(new_tool_use_id(), name, args)
+
+
+def _held_prefix(text: str) -> int:
+    """Length of the longest end of ``text`` that may be the start of ``OPEN``."""
+    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-n:]):
+            return n
+    return 0
+
+
+@dataclass(slots=True)
+class ToolCallParser:
+    """Feed it the output text piece by piece; it returns the parts ready to go out.
+
+    Text that could be the start of ``<tool_call>`` is held back until it is not
+    (like a stop string's prefix), and a call is held until its closing tag. Whitespace
+    that would open a text block is held too: the newlines between two calls, or after
+    the last one, make no empty-looking text block (an output with no call at all is
+    returned unchanged)."""
+
+    names: frozenset[str]  # the declared tools
+    buf: str = ""  # held text: a possible tag prefix, or the body of an open call
+    in_call: bool = False  # inside <tool_call> ... (buf is the call so far)
+    text_open: bool = False  # a text part went out since the last call
+    blank: str = ""  # whitespace held until a text block is known to be needed
+    emitted: bool = False  # any part went out
+    calls: int = 0  # accepted calls
+    _parts: list[Part] = field(default_factory=list)  # parts of the current feed
+
+    def feed(self, text: str) -> list[Part]:
+        self.buf += text
+        while True:
+            if self.in_call:
+                end = self.buf.find(CLOSE)
+                if end < 0:
+                    break
+                inner, self.buf = self.buf[:end], self.buf[end + len(CLOSE) :]
+                self.in_call = False
+                call = parse_call(inner, self.names)
+                if call is None:
+                    self._text(OPEN + inner + CLOSE)
+                else:
+                    self._call(call)
+                continue
+            start = self.buf.find(OPEN)
+            if start >= 0:
+                self._text(self.buf[:start])
+                self.buf, self.in_call = self.buf[start + len(OPEN) :], True
+                continue
+            keep = _held_prefix(self.buf)
+            self._text(self.buf[: len(self.buf) - keep])
+            self.buf = self.buf[len(self.buf) - keep :]
+            break
+        return self._take()
+
+    def finish(self) -> list[Part]:
+        """The end of the output: what is still held goes out as text."""
+        rest = (OPEN if self.in_call else "") + self.buf
+        self.buf, self.in_call = "", False
+        self._text(rest)
+        if not self.emitted:
+            self._parts.append(TextPart(self.blank))
+            self.emitted = True
+        self.blank = ""
+        return self._take()
+
+    def _text(self, text: str) -> None:
+        if not text:
+            return
+        if not self.text_open:
+            if not text.strip():
+                self.blank += text
+                return
+            text, self.blank = self.blank + text, ""
+            self.text_open = True
+        self._parts.append(TextPart(text))
+        self.emitted = True
+
+    def _call(self, call: ToolCall) -> None:
+        self.blank, self.text_open = "", False
+        self._parts.append(call)
+        self.emitted = True
+        self.calls += 1
+
+    def _take(self) -> list[Part]:
+        parts, self._parts = self._parts, []
+        return parts
+
+
+def split(text: str, names: frozenset[str]) -> list[Part]:
+    """A whole output as blocks: text parts merged, one part per block."""
+    parser = ToolCallParser(names)
+    blocks: list[Part] = []
+    for part in parser.feed(text) + parser.finish():
+        if isinstance(part, TextPart) and blocks and isinstance(blocks[-1], TextPart):
+            blocks[-1] = TextPart(blocks[-1].text + part.text)
+        else:
+            blocks.append(part)
+    return blocks
