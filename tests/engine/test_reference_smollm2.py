@@ -104,7 +104,10 @@ def _corpus() -> list[str]:
         "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
         "It's we'll they've I'm 1234567890 -0.5e-3 $100 50% a@b.c https://x.org/?q=1",
     ]
-    for path in sorted(SEED_DIR.glob("*.txt"))[:3]:
+    seeds = sorted(SEED_DIR.glob("*.txt"))[:3]
+    # The Chinese seed texts lie in shared/ beside the checkout (CI lays it there too).
+    assert seeds, f"no seed texts under {SEED_DIR}"
+    for path in seeds:
         texts.append(path.read_text(encoding="utf-8")[:3000])
     return texts
 
