@@ -97,6 +97,16 @@ def _source_text(source: Any) -> str:
     return content if isinstance(content, str) else "\n".join(b.text for b in content)
 
 
+def tool_result_body(block: ToolResultBlock) -> str:
+    """A tool result's content as text: a string as is, blocks one per line."""
+    content = block.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "\n".join(block_text(c) for c in content)
+
+
 def block_text(block: ContentBlock) -> str:
     """The canonical text of one content block (what its tokens encode)."""
     if isinstance(block, TextBlock):
@@ -111,14 +121,7 @@ def block_text(block: ContentBlock) -> str:
         return f"[tool_use {block.name} id={block.id}] {_canonical_json(block.input)}"
     if isinstance(block, ToolResultBlock):
         flag = " error" if block.is_error else ""
-        content = block.content
-        if content is None:
-            body = ""
-        elif isinstance(content, str):
-            body = content
-        else:
-            body = "\n".join(block_text(c) for c in content)
-        return f"[tool_result id={block.tool_use_id}{flag}] {body}"
+        return f"[tool_result id={block.tool_use_id}{flag}] {tool_result_body(block)}"
     if isinstance(block, ThinkingBlock):
         return f"[thinking] {block.thinking}"
     if isinstance(block, RedactedThinkingBlock):

@@ -43,6 +43,7 @@ from .render import (
     Tokenizer,
     _cacheable,
     block_text,
+    tool_result_body,
 )
 
 # NOTE: SmolLM2's template has no tool support (it never reads `tools` or
@@ -209,13 +210,7 @@ class Conversation:
 
 
 def _tool_result_text(block: ToolResultBlock) -> str:
-    content = block.content
-    if content is None:
-        body = ""
-    elif isinstance(content, str):
-        body = content
-    else:
-        body = "\n".join(block_text(c) for c in content)
+    body = tool_result_body(block)
     return f"Error: {body}" if block.is_error else body
 
 

@@ -19,6 +19,8 @@ import pytest
 from cachepoint.stack import Stack
 from cachepoint.supervise import Backoff, Supervisor
 
+from .test_up import _alive
+
 
 @dataclass
 class FakeChild:
@@ -147,15 +149,6 @@ def test_no_restart_after_stop(tmp_path):
 
 
 # ------------------------------------------------------------------ real stack
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"
 
 
 def _wait(cond, timeout: float, what: str):

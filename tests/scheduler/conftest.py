@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import subprocess
+import time
+
+import httpx
 import pytest
 
 from cachepoint.engine import Engine, EngineConfig, ModelConfig
@@ -37,3 +41,19 @@ def settings() -> ReplicaSettings:
 @pytest.fixture
 def sink() -> RecordingSink:
     return RecordingSink()
+
+
+def wait_ready(url: str, proc: subprocess.Popen[str], timeout: float = 60) -> None:
+    """Until a replica process answers /readyz 200; its output if it exits first."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            if httpx.get(f"{url}/readyz").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"replica exited with {proc.returncode}: {out or ''}{err or ''}")
+        assert time.time() < deadline, "replica never became ready"
+        time.sleep(0.2)

@@ -7,9 +7,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
+
+from .conftest import wait_ready
 
 CMD = [sys.executable, "-m", "cachepoint.scheduler.cli"]
 
@@ -44,16 +45,7 @@ def test_cli_serves_generate_and_stats_then_stops_on_sigterm(free_port):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/readyz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.time() < deadline, "replica never became ready"
-            time.sleep(0.2)
+        wait_ready(url, proc, timeout=60)
         r = httpx.post(f"{url}/v1/generate", json={"token_ids": list(range(40)), "max_tokens": 3})
         assert r.status_code == 200
         assert r.json()["output_tokens"] == 3

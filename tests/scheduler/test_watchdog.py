@@ -28,6 +28,8 @@ from cachepoint.scheduler.scheduler import StepBatch
 from cachepoint.scheduler.settings import ReplicaSettings
 from cachepoint.scheduler.watchdog import EXIT_LOOP_DIED, FAULT_ENV
 
+from .conftest import wait_ready
+
 CMD = [sys.executable, "-m", "cachepoint.scheduler.cli"]
 PROMPT = list(range(1, 61))
 LONG = {"token_ids": PROMPT, "max_tokens": 1500, "ignore_eos": True}
@@ -153,16 +155,7 @@ def test_cli_exits_non_zero_when_its_scheduler_loop_dies(free_port):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/readyz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, proc.communicate()[1]
-            assert time.time() < deadline, "replica never became ready"
-            time.sleep(0.2)
+        wait_ready(url, proc, timeout=60)
         r = httpx.post(f"{url}/v1/generate", json={"token_ids": PROMPT, "max_tokens": 3})
         assert r.status_code == 500
         assert r.json()["error"]["type"] == "api_error"
