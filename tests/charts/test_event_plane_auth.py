@@ -216,7 +216,14 @@ async def test_members_speak_only_under_their_own_name(served: dict[str, Any]) -
         await member0.publish(subject, b"x")
     await member0.flush()
     await gateway.flush()
-    await asyncio.sleep(0.3)
+    # NOTE: waits for delivery rather than a fixed pause (a loaded CI machine was slower
+    # than 0.3 s), then a little longer for anything forged that might still arrive.
+    deadline = time.monotonic() + 10
+    while (len(received) < len(own) or len(member0.async_errors) < len(forged)) and (
+        time.monotonic() < deadline
+    ):
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.2)
     assert sorted(received) == sorted(own)  # the forged ones never reach the gateway
     violations = sorted(str(e) for e in member0.async_errors)
     assert violations == sorted(f'nats: permissions violation for publish to "{s}"' for s in forged)
