@@ -125,6 +125,22 @@ def nats_server_class() -> type[NatsServer]:
     return NatsServer
 
 
+async def _nats_settle(nc: object) -> None:
+    """Return once everything `nc` has sent, subscriptions included, is at the server."""
+    # NOTE: nats-py 2.16's flush() writes its PING straight to the socket while SUB and
+    # PUB lines wait in the pending buffer for the flusher task, so on a loaded machine
+    # the PONG came back before a subscription had reached the server (seen in CI).
+    # Forcing the buffer out first puts the PING behind it.
+    await nc._flush_pending(force_flush=True)  # type: ignore[attr-defined]
+    await nc.flush()  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def nats_settle() -> Callable[[object], object]:
+    """`await nats_settle(nc)`: a flush that is a real barrier (see _nats_settle)."""
+    return _nats_settle
+
+
 @pytest.fixture
 def nats_server(tmp_path) -> Iterator[NatsServer]:
     server = NatsServer(_free_port(), str(tmp_path / "nats"))

@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -192,7 +192,9 @@ async def _refused(url: str, user: str | None = None, password: str | None = Non
     return False
 
 
-async def test_members_speak_only_under_their_own_name(served: dict[str, Any]) -> None:
+async def test_members_speak_only_under_their_own_name(
+    served: dict[str, Any], nats_settle: Callable[[Any], Awaitable[None]]
+) -> None:
     url = served["url"]
     assert await _refused(url)  # no anonymous access
     assert await _refused(url, "serving_llama-0", "not-the-password-0123")
@@ -207,17 +209,17 @@ async def test_members_speak_only_under_their_own_name(served: dict[str, Any]) -
 
     await gateway.subscribe("cachepoint.kv.*", cb=got)
     await gateway.subscribe("cachepoint.replica.heartbeat.*", cb=got)
-    await gateway.flush()
+    await nats_settle(gateway)
 
     own = ["cachepoint.kv.serving_llama-0", "cachepoint.replica.heartbeat.serving_llama-0"]
     forged = ["cachepoint.kv.serving_llama-1", "cachepoint.replica.heartbeat.serving_llama-1"]
     forged += ["cachepoint.replica.heartbeat.fake", "cachepoint.kv.snapshot.serving_llama-1"]
     for subject in own + forged:
         await member0.publish(subject, b"x")
-    await member0.flush()
-    await gateway.flush()
-    # NOTE: waits for delivery rather than a fixed pause (a loaded CI machine was slower
-    # than 0.3 s), then a little longer for anything forged that might still arrive.
+    await nats_settle(member0)
+    await nats_settle(gateway)
+    # NOTE: waits for delivery rather than a fixed pause, then a little longer for
+    # anything forged that might still arrive.
     deadline = time.monotonic() + 10
     while (len(received) < len(own) or len(member0.async_errors) < len(forged)) and (
         time.monotonic() < deadline
@@ -234,7 +236,7 @@ async def test_members_speak_only_under_their_own_name(served: dict[str, Any]) -
 
     await member0.subscribe("cachepoint.kv.snapshot.serving_llama-0", cb=answer)
     await member0.subscribe("cachepoint.kv.snapshot.serving_llama-1", cb=answer)
-    await member0.flush()
+    await nats_settle(member0)
     await asyncio.sleep(0.2)
     assert (
         'nats: permissions violation for subscription to "cachepoint.kv.snapshot.serving_llama-1"'
@@ -247,7 +249,7 @@ async def test_members_speak_only_under_their_own_name(served: dict[str, Any]) -
     # The gateway reads; it cannot publish batches or heartbeats itself.
     before = len(received)
     await gateway.publish("cachepoint.replica.heartbeat.serving_llama-0", b"x")
-    await gateway.flush()
+    await nats_settle(gateway)
     await asyncio.sleep(0.2)
     assert len(received) == before
     await member0.close()

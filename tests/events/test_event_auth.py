@@ -155,9 +155,10 @@ def fleet(serve, free_port, secure_nats, tmp_path) -> SecureFleet:
     return SecureFleet(serve, free_port, secure_nats, tmp_path)
 
 
-async def _as_client(url: str, act, **creds: str) -> list[str]:
+async def _as_client(url: str, act, settle, **creds: str) -> list[str]:
     """Connect (optionally as a user), run ``act(nc)``, and return the server's
-    asynchronous errors (permission violations arrive that way)."""
+    asynchronous errors (permission violations arrive that way). ``settle`` is the
+    ``nats_settle`` fixture: the server has read everything once it returns."""
     errors: list[str] = []
 
     async def on_error(exc: Exception) -> None:
@@ -166,8 +167,8 @@ async def _as_client(url: str, act, **creds: str) -> list[str]:
     nc = await nats.connect(url, allow_reconnect=False, error_cb=on_error, **creds)
     try:
         await act(nc)
-        await nc.flush()
-        await asyncio.sleep(0.3)  # let -ERR lines arrive
+        await settle(nc)
+        await asyncio.sleep(0.3)  # the -ERR lines came before the PONG; let callbacks run
     finally:
         await nc.close()
     return errors
@@ -189,7 +190,7 @@ def test_generated_config_is_accepted_by_the_real_server(tmp_path, secure_nats):
 # ------------------------------------------------------------ authentication
 
 
-def test_clients_without_the_right_password_cannot_connect(secure_nats):
+def test_clients_without_the_right_password_cannot_connect(secure_nats, nats_settle):
     async def attempt(**creds: str) -> None:
         with pytest.raises(Exception, match=r"(?i)authorization violation"):
             await nats.connect(secure_nats.url, allow_reconnect=False, connect_timeout=2, **creds)
@@ -200,7 +201,8 @@ def test_clients_without_the_right_password_cannot_connect(secure_nats):
     async def ok(nc) -> None:  # and the generated password does work
         await nc.publish(heartbeat_subject("r0"), b"")
 
-    assert asyncio.run(_as_client(secure_nats.url, ok, **_creds(secure_nats, "r0"))) == []
+    creds = _creds(secure_nats, "r0")
+    assert asyncio.run(_as_client(secure_nats.url, ok, nats_settle, **creds)) == []
 
 
 # ------------------------------------------------------------- authorization
@@ -218,7 +220,7 @@ def test_the_gateway_permissions_carry_the_real_flow(fleet: SecureFleet):
     assert fleet.directory.rejections == {}
 
 
-def test_a_replica_cannot_speak_for_another(fleet: SecureFleet):
+def test_a_replica_cannot_speak_for_another(fleet: SecureFleet, nats_settle):
     """r0's credentials (a compromised replica) try to take r1's traffic."""
     before = fleet.directory.replicas["r1"]
     r1_epoch, r1_url = before.epoch, before.url
@@ -234,7 +236,7 @@ def test_a_replica_cannot_speak_for_another(fleet: SecureFleet):
         await nc.publish(kv_subject("r0"), kv_batch("r1", now))
         await nc.publish(heartbeat_subject("r0"), heartbeat("r0", rogue, now))
 
-    errors = asyncio.run(_as_client(fleet.nats.url, act, **_creds(fleet.nats, "r0")))
+    errors = asyncio.run(_as_client(fleet.nats.url, act, nats_settle, **_creds(fleet.nats, "r0")))
     text = " ".join(errors).lower()
     assert 'permissions violation for publish to "cachepoint.replica.heartbeat.r1"' in text
     assert 'permissions violation for publish to "cachepoint.kv.r1"' in text
@@ -248,7 +250,7 @@ def test_a_replica_cannot_speak_for_another(fleet: SecureFleet):
     assert fleet.live() == {"r0", "r1"}
 
 
-def test_a_future_epoch_is_refused_and_the_replica_stays_routable(fleet: SecureFleet):
+def test_a_future_epoch_is_refused_and_the_replica_stays_routable(fleet: SecureFleet, nats_settle):
     """Even with r0's own credentials, an epoch of 2**62 changes nothing."""
     epoch = fleet.directory.replicas["r0"].epoch
 
@@ -256,7 +258,8 @@ def test_a_future_epoch_is_refused_and_the_replica_stays_routable(fleet: SecureF
         await nc.publish(heartbeat_subject("r0"), heartbeat("r0", fleet.urls["r0"], 2**62))
         await nc.publish(kv_subject("r0"), kv_batch("r0", 2**62))
 
-    assert asyncio.run(_as_client(fleet.nats.url, act, **_creds(fleet.nats, "r0"))) == []
+    creds = _creds(fleet.nats, "r0")
+    assert asyncio.run(_as_client(fleet.nats.url, act, nats_settle, **creds)) == []
     wait_for(lambda: fleet.directory.rejections.get("future_epoch", 0) >= 2, "both refusals")
     time.sleep(4 * HB)  # past the miss window: the real heartbeats still count
     assert fleet.directory.replicas["r0"].epoch == epoch
