@@ -69,6 +69,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="the replicas' KV block size (default 16)")
     p.add_argument("--min-cacheable-tokens", type=int, help="shorter prefixes are not cached")
     p.add_argument(
+        "--model-profile",
+        dest="model_profiles",
+        action="append",
+        metavar="MODEL:KEY=VALUE",
+        help=(
+            "one setting of one served model (repeatable): KEY is context_window, "
+            "min_cacheable_tokens or stop_token_ids (comma-separated ids), e.g. "
+            "smollm2:context_window=8192 or smollm2:stop_token_ids=2,7; unset keys take "
+            "the gateway-wide value. Replaces CACHEPOINT_GATEWAY_MODEL_PROFILES (JSON: "
+            '{"MODEL": {"context_window": 8192}})'
+        ),
+    )
+    p.add_argument(
         "--metrics-port",
         type=int,
         help="serve /metrics on this port, apart from the API (0 = any free port; default off)",
@@ -101,13 +114,46 @@ def split_replicas(values: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     return bare, named
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+PROFILE_KEYS = ("context_window", "min_cacheable_tokens", "stop_token_ids")
+
+
+def split_profiles(values: Sequence[str]) -> dict[str, dict[str, object]]:
+    """``--model-profile`` values as ``{model: {key: value}}``; values stay strings
+    (pydantic checks them). Raises ``ValueError`` naming a malformed one. NOTE: the
+    model is split off at the last ':' before '=', so ids such as ``llama3:8b`` work."""
+    out: dict[str, dict[str, object]] = {}
+    for v in values:
+        left, eq, value = v.partition("=")
+        model, colon, key = left.rpartition(":")
+        key = key.replace("-", "_")
+        if not (eq and colon and model):
+            raise ValueError(f"--model-profile {v!r}: expected MODEL:KEY=VALUE")
+        if key not in PROFILE_KEYS:
+            raise ValueError(
+                f"--model-profile {v!r}: unknown key {key!r} (one of {', '.join(PROFILE_KEYS)})"
+            )
+        parsed: object = [x.strip() for x in value.split(",") if x.strip()]
+        out.setdefault(model, {})[key] = parsed if key == "stop_token_ids" else value
+    return out
+
+
+def parse(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, GatewaySettings]:
+    """Flags (over the environment) to settings; a bad one exits with a usage error."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.model_profiles:
+        try:
+            args.model_profiles = split_profiles(args.model_profiles)
+        except ValueError as exc:
+            parser.error(str(exc))
     if args.replica_urls:
         args.replica_urls, named = split_replicas(args.replica_urls)
         args.replicas = named or None
-    settings = settings_from_flags(parser, args, GatewaySettings)
+    return args, settings_from_flags(parser, args, GatewaySettings)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, settings = parse(argv)
     from . import requestlog
 
     requestlog.always_log()  # one line per Messages request, whatever --log-level says

@@ -12,7 +12,9 @@ from typing import Any
 from .contract.billing import BillingError, Buckets, buckets
 from .contract.breakpoints import CachePlan, ContractError, resolve
 from .contract.render import RenderedPrompt, Renderer
+from .contract.toolcalls import NO_FORCING, Forcing, forcing
 from .errors import ApiError, invalid
+from .profiles import profile_of
 from .schemas.messages import CacheCreation, MessagesRequest, Usage
 from .settings import GatewaySettings
 from .tenants import KeyContext
@@ -23,6 +25,7 @@ class Prepared:
     rendered: RenderedPrompt  # tokens and block spans
     plan: CachePlan  # breakpoints, key spans, scope
     payload: dict[str, Any]  # the replica's /v1/generate body
+    forcing: Forcing = NO_FORCING  # the answer's forced opening (tool_choice any/tool)
 
 
 def tenant_key(ctx: KeyContext, settings: GatewaySettings) -> str:
@@ -47,11 +50,27 @@ def plan_cache(
             betas=betas,
             cache_key_betas=settings.cache_key_betas,
             policy=ctx.policy,
-            min_cacheable_tokens=settings.min_cacheable_tokens,
+            min_cacheable_tokens=profile_of(settings, req.model).min_cacheable_tokens,
             block_size=settings.block_size,
         )
     except ContractError as exc:
         raise invalid(str(exc)) from exc
+
+
+def render_prompt(req: Any, renderer: Renderer) -> tuple[RenderedPrompt, Forcing]:
+    """The prompt the replica gets (what count_tokens counts), and the forcing in it."""
+    try:
+        forced = forcing(req)
+    except ValueError as exc:
+        raise invalid(str(exc)) from exc
+    rendered = renderer.render(req)
+    if forced.prefix:
+        # NOTE: after every block, so it is input the request pays for at 1x and never
+        # part of a cached prefix; encoded on its own, like every segment.
+        tokens = rendered.tokens[:]
+        tokens.extend(renderer.tokenizer.encode(forced.prefix))
+        rendered = RenderedPrompt(tokens, rendered.blocks)
+    return rendered, forced
 
 
 def prepare(
@@ -62,12 +81,13 @@ def prepare(
     renderer: Renderer,
     request_id: str,
 ) -> Prepared:
-    rendered = renderer.render(req)
+    rendered, forced = render_prompt(req, renderer)
     n = len(rendered)
-    if n + req.max_tokens > settings.max_context_tokens:
+    profile = profile_of(settings, req.model)
+    if n + req.max_tokens > profile.context_window:
         raise invalid(
             f"prompt is too long: {n} tokens + max_tokens {req.max_tokens} > "
-            f"{settings.max_context_tokens} maximum"
+            f"{profile.context_window} maximum for model {req.model}"
         )
     plan = plan_cache(rendered, req, ctx, betas, settings)
     payload: dict[str, Any] = {
@@ -87,13 +107,14 @@ def prepare(
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": req.top_p or 1.0,
         "top_k": req.top_k or 0,
-        "stop_sequences": req.stop_sequences or [],
+        "stop_sequences": (req.stop_sequences or []) + ([forced.stop] if forced.stop else []),
+        "stop_token_ids": list(profile.stop_token_ids),
         # NOTE: retention is charged to the org whatever the cache key (global scope,
         # tenant_scope=workspace): the quota is the org's (docs/gateway.md, Tenancy).
         "retention_owner": f"org:{ctx.org_id}",
         "owner_retained_share": ctx.retained_share,
     }
-    return Prepared(rendered, plan, payload)
+    return Prepared(rendered, plan, payload, forced)
 
 
 class UsageReportError(ApiError):

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cachepoint.events.subjects import check_replica_name
@@ -28,6 +28,24 @@ KNOWN_BETAS = [
     "context-1m-2025-08-07",
     "fine-grained-tool-streaming-2025-05-14",
 ]
+
+
+class ProfileSettings(BaseModel):
+    """One model's own settings (``model_profiles``); None = the gateway-wide one."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    context_window: int | None = Field(
+        None, ge=16, description="prompt + max_tokens limit; default max_context_tokens"
+    )
+    min_cacheable_tokens: int | None = Field(
+        None, ge=0, description="shorter prefixes are not cached; default min_cacheable_tokens"
+    )
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None,
+        max_length=16,
+        description="ids that end the turn besides the checkpoint's EOS ids (sent to replicas)",
+    )
 
 
 class GatewaySettings(BaseSettings):
@@ -112,6 +130,24 @@ class GatewaySettings(BaseSettings):
     block_size: int = Field(16, ge=1, description="the replicas' KV block size")
     max_context_tokens: int = Field(8192, ge=16, description="prompt + max_tokens limit")
     min_cacheable_tokens: int = Field(1024, ge=0, description="shorter prefixes are not cached")
+    model_profiles: dict[str, ProfileSettings] = Field(
+        default_factory=dict,
+        description=(
+            "model id -> its own context_window, min_cacheable_tokens, stop_token_ids "
+            "(JSON in CACHEPOINT_GATEWAY_MODEL_PROFILES); each must name a served model"
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _profiles(self) -> GatewaySettings:
+        unknown = sorted(set(self.model_profiles) - set(self.models))
+        if unknown:
+            raise ValueError(
+                f"model_profiles names {', '.join(map(repr, unknown))}, not served here "
+                f"(models: {', '.join(self.models)}); add it with --model or drop its profile"
+            )
+        return self
+
     tenant_scope: str = Field("org", pattern="^(org|workspace)$", description="cache tenant key")
     known_betas: list[str] = Field(default_factory=lambda: list(KNOWN_BETAS))
     cache_key_betas: list[str] = Field(

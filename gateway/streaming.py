@@ -119,6 +119,9 @@ async def _relay(job: StreamJob) -> AsyncIterator[bytes]:
     # NOTE: without tools the text passes straight through, in one block opened at once
     # (as before); with tools, blocks open as the parser finds text or calls.
     parser = ToolCallParser(names) if names is not None else None
+    forced = job.prepared.forcing
+    if parser is not None and forced.prefix:
+        parser.feed(forced.prefix)  # the open call the prompt already started: nothing out
     blocks = _Blocks()
     recorded: list[bytes] | None = [] if job.claim is not None else None
 
@@ -204,7 +207,16 @@ async def _relay(job: StreamJob) -> AsyncIterator[bytes]:
                 f"final output_tokens {out_tokens!r} after "
                 f"{progress.delivered + progress.pending} token events"
             )
-        tail = [c for part in parser.finish() for c in blocks.part(part)] if parser else []
+        # The stop string the gateway added is not in the replica's text; the call
+        # it closes is.
+        closing_text, stop_reason, stop_sequence = forced.settle(
+            "", final.get("stop_reason"), final.get("stop_sequence")
+        )
+        closing_text = closing_text[len(forced.prefix) :]
+        tail: list[bytes] = []
+        if parser is not None:
+            parts = parser.feed(closing_text) + parser.finish()
+            tail = [c for part in parts for c in blocks.part(part)]
         for chunk in tail + blocks.close():
             yield out(chunk)
         # NOTE: billed before the final usage leaves: the request id makes it once only.
@@ -213,7 +225,6 @@ async def _relay(job: StreamJob) -> AsyncIterator[bytes]:
             return
         usage = usage_of(buckets_of(cache, out_tokens, job.limits)).model_dump()
         usage.pop("cache_creation")
-        stop_reason, stop_sequence = final.get("stop_reason"), final.get("stop_sequence")
         # NOTE: recorded before they leave: once the full charge is written, the key
         # keeps this whole stream, so a retry replays it even if this client hangs up
         # before these last events reach it, and is not generated or billed again.

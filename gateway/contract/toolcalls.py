@@ -20,7 +20,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..schemas.messages import MessagesRequest
+from ..schemas.messages import CountTokensRequest, MessagesRequest
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -38,6 +38,83 @@ def offered(body: MessagesRequest) -> frozenset[str] | None:
     if not body.tools or (body.tool_choice is not None and body.tool_choice.type == "none"):
         return None
     return frozenset(tool.name for tool in body.tools)
+
+
+@dataclass(frozen=True, slots=True)
+class Forcing:
+    """How the gateway holds a model to ``tool_choice: any`` or ``tool``.
+
+    The instruction in the system turn is not enough for a small model (SmolLM2-135M
+    answers in prose), so the answer is started for it: the prompt ends with the
+    opening of a call, ``<tool_call>`` and the JSON up to the tool's name (``any``) or
+    into its arguments (``tool``), and the replica stops at ``</tool_call>``. The
+    gateway parses ``prefix`` + the replica's text (+ the stop string it consumed),
+    so the call comes back as a ``tool_use`` block, or as plain text if the model
+    still wrote something that is not a call.
+    """
+
+    prefix: str  # the answer's opening, already at the end of the prompt
+    stop: str | None  # the stop string the gateway added for the replica, if any
+
+    def settle(
+        self, text: str, stop_reason: str | None, stop_sequence: str | None
+    ) -> tuple[str, str | None, str | None]:
+        """The whole answer text and the stop fields the client may see."""
+        text = self.prefix + text
+        if self.stop is not None and stop_sequence == self.stop:
+            # NOTE: the client never asked for this stop string: it ends the turn.
+            return text + self.stop, "end_turn", None
+        return text, stop_reason, stop_sequence
+
+
+NO_FORCING = Forcing("", None)
+
+
+def _first_argument(schema: dict[str, Any]) -> str:
+    """How every call that fits ``schema`` may begin inside its arguments object: the
+    first required property's key (and the quote of a string value), or nothing.
+
+    NOTE: any conforming call has that key, so starting with it excludes none of them
+    (up to key order); it keeps a small model from describing the tool instead of
+    calling it (SmolLM2-135M wrote ``"type": "function", ...`` without it, and
+    ``"city": 12`` without the quote).
+    """
+    required = schema.get("required")
+    properties = schema.get("properties")
+    if not isinstance(required, list) or not required or not isinstance(properties, dict):
+        return ""
+    key = required[0]
+    if not isinstance(key, str) or not isinstance(properties.get(key), dict):
+        return ""
+    quote = '"' if properties[key].get("type") == "string" else ""
+    return f"{json.dumps(key, ensure_ascii=False)}: {quote}"
+
+
+def forcing(body: MessagesRequest | CountTokensRequest) -> Forcing:
+    """The forcing ``body.tool_choice`` asks for; ``ValueError`` for a choice that
+    cannot be honoured (no tools, or a tool that is not declared)."""
+    choice = body.tool_choice
+    if choice is None or choice.type in ("auto", "none"):
+        return NO_FORCING
+    names = [tool.name for tool in body.tools or []]
+    if not names:
+        raise ValueError(f"tool_choice.type {choice.type!r} needs at least one tool in tools")
+    if choice.type == "tool":
+        if not choice.name:
+            raise ValueError("tool_choice.type 'tool' needs tool_choice.name")
+        if choice.name not in names:
+            raise ValueError(f"tool_choice.name {choice.name!r} is not one of the tools")
+        name = json.dumps(choice.name, ensure_ascii=False)
+        tool = next(t for t in body.tools or [] if t.name == choice.name)
+        first = _first_argument(tool.input_schema)
+        prefix = f'{OPEN}\n{{"name": {name}, "arguments": {{{first}'
+    else:
+        prefix = f'{OPEN}\n{{"name": "'
+    # NOTE: the replica takes 16 stop strings, as many as a client may send; with 16
+    # already the call is parsed wherever it ends, and what follows stays text.
+    taken = getattr(body, "stop_sequences", None) or []  # count_tokens has none
+    stop = CLOSE if CLOSE not in taken and len(taken) < 16 else None
+    return Forcing(prefix, stop)
 
 
 @dataclass(frozen=True, slots=True)

@@ -127,11 +127,24 @@ class DocumentBlock(_Cacheable):
     citations: dict[str, Any] | None = None
 
 
+class Caller(BaseModel):
+    """Who made a tool call (``{"type": "direct"}``, or a server tool's id): the SDK's
+    own ToolUseBlock carries it, so a replayed answer does."""
+
+    model_config = ConfigDict(extra="allow")  # server tool callers add their own keys
+    type: str = Field(min_length=1, max_length=64)
+
+
 class ToolUseBlock(_Cacheable):
     type: Literal["tool_use"]
     id: str
     name: str
     input: dict[str, Any]
+    # NOTE: the official SDK's ToolUseBlock.model_dump() writes both (as null when
+    # unset); a client that echoes the assistant turn back sends them. The model never
+    # sees them: the template renders the name and input.
+    caller: Caller | None = None
+    toolset_name: str | None = None
 
 
 ToolResultContent = Annotated[TextBlock | ImageBlock, Field(discriminator="type")]

@@ -35,6 +35,7 @@ from cachepoint.scheduler.model_source import (
     checkpoint_problem,
     preset_path,
 )
+from cachepoint.scheduler.random_model import RANDOM_CONTEXT, tokenizer_source
 
 from .credentials import StackCredentials
 from .supervise import Backoff, ChildEvent, Supervised, Supervisor
@@ -142,10 +143,15 @@ class Stack:
     port: int = 8080
     model_dir: Path | None = None
     model: str | None = None  # an installed named model (MODEL_PRESETS), instead of model_dir
-    kv_budget: str | None = "64MiB"  # KV per replica; None = the replica's (a preset's own)
+    # KV per replica; None = the replica's own: 256 MiB for the random model (two
+    # sequences of its full context), a named model's preset budget.
+    kv_budget: str | None = None
     min_cacheable_tokens: int = 1024
     routing_policy: str = "cache_aware"
     model_preset: str = "tiny"
+    # The random model's tokenizer (bytes, smollm2 or a path: random_model.py); the
+    # gateway renders with the same one. Ignored with a checkpoint, which brings its own.
+    tokenizer: str = "smollm2"
     tracing: bool = True
     children: list[Child] = field(default_factory=list)
     nats_url: str = ""
@@ -166,6 +172,15 @@ class Stack:
             raise StackError("give --model or --model-dir, not both")
         try:
             return preset_path(self.model)
+        except ValueError as exc:
+            raise StackError(str(exc)) from None
+
+    def random_tokenizer(self) -> Path | None:
+        """The file the random model's tokenizer comes from (None: bytes, or a checkpoint)."""
+        if self.model is not None or self.model_dir is not None:
+            return None
+        try:
+            return tokenizer_source(self.tokenizer)
         except ValueError as exc:
             raise StackError(str(exc)) from None
 
@@ -191,6 +206,7 @@ class Stack:
         if port_in_use(self.port):
             raise StackError(f"port {self.port} is already in use; pick another with --port")
         checkpoint = self.checkpoint()
+        random_tokenizer = self.random_tokenizer()
         if self.model_dir is not None:
             problem = checkpoint_problem(self.model_dir)
             if problem is not None:
@@ -252,6 +268,8 @@ class Stack:
                     args += ["--model", self.model]
                 elif self.model_dir is not None:
                     args += ["--model-dir", str(self.model_dir)]
+                else:
+                    args += ["--tokenizer", str(random_tokenizer or "bytes")]
                 progress(f"starting replica-{i}")
                 self._spawn(f"replica-{i}", args, url)
                 replica_urls.append(url)
@@ -283,10 +301,21 @@ class Stack:
                 # gateway's token counts and breakpoints are the model's; and the model's
                 # id is the one served (the replicas report it too).
                 gargs += ["--model-dir", str(checkpoint), "--model", self.served_model()]
+            gateway_env: dict[str, str] = {}
+            if checkpoint is None:
+                # NOTE: the random model renders with its tokenizer's file, so the
+                # gateway counts the tokens the replicas see (and SmolLM2's GGUF brings
+                # its ChatML template). The window is the random model's, not the one
+                # that file declares (8,192 for SmolLM2); the gateway has no flag for it.
+                # A --kv-budget too small for one such sequence shrinks the replicas'
+                # max_model_len below it; longer prompts then get the replica's 400.
+                if random_tokenizer is not None:
+                    gargs += ["--model-dir", str(random_tokenizer)]
+                gateway_env["CACHEPOINT_GATEWAY_MAX_CONTEXT_TOKENS"] = str(RANDOM_CONTEXT)
             mport = free_port()
             self.metrics_url = f"http://127.0.0.1:{mport}"
             gargs += ["--metrics-port", str(mport)]
-            self._spawn("gateway", gargs, self.base_url)
+            self._spawn("gateway", gargs, self.base_url, gateway_env)
             for child in self.children[1:]:
                 progress(f"waiting for {child.name}")
                 self._wait_http(child, "/readyz")
@@ -310,13 +339,16 @@ class Stack:
         )
         self.supervisor.start()
 
-    def _spawn(self, name: str, args: list[str], url: str) -> None:
+    def _spawn(
+        self, name: str, args: list[str], url: str, extra_env: dict[str, str] | None = None
+    ) -> None:
         log = self.state_dir / "logs" / f"{name}.log"
         env = {
             **os.environ,
             "PYTHONUNBUFFERED": "1",
             "CACHEPOINT_TELEMETRY_TRACES_DIR": str((self.state_dir / "traces").resolve()),
             "CACHEPOINT_TELEMETRY_ENABLED": "true" if self.tracing else "false",
+            **(extra_env or {}),
         }
         if name.startswith("replica-"):
             env.setdefault(

@@ -12,6 +12,7 @@ import anthropic
 from rich.console import Console
 
 from cachepoint.scheduler.model_source import MODEL_PRESETS, RANDOM_MODEL_NAME
+from cachepoint.scheduler.random_model import BYTES, RANDOM_CONTEXT, TOKENIZER_CHOICES
 
 from .stack import Stack, StackError
 from .supervise import ChildEvent
@@ -49,9 +50,19 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         "--model-dir", type=Path, help="HF folder or .gguf file (default: tiny random model)"
     )
     up.add_argument(
+        "--tokenizer",
+        metavar="{" + ",".join(TOKENIZER_CHOICES) + "} or PATH",
+        help="the tiny random model's tokenizer (default smollm2: SmolLM2's byte-level BPE, "
+        "49,152 ids, so prompts count real tokens; bytes: one id per UTF-8 byte; or a .gguf "
+        "file / HF folder with tokenizer.json). The gateway renders with the same one "
+        f"(SmolLM2's ChatML template) and allows {RANDOM_CONTEXT:,} tokens of context. "
+        "Not with --model or --model-dir, which bring their own",
+    )
+    up.add_argument(
         "--kv-budget",
-        help="KV memory per replica (default 64MiB; with --model, the model's own: 768MiB "
-        "for smollm2, two sequences of its full context)",
+        help="KV memory per replica (default: the replica's 256MiB for the tiny model, two "
+        "sequences of its full context; with --model, the model's own: 768MiB for smollm2). "
+        "A smaller budget shortens the tiny model's context to what it holds",
     )
     up.add_argument(
         "--state-dir",
@@ -62,8 +73,8 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     up.add_argument(
         "--min-cacheable-tokens",
         type=int,
-        help="shorter prefixes are not cached (default 1024; 256 with --model, whose "
-        "real tokens are about 4 bytes each: the demo's prompts are a few hundred)",
+        help="shorter prefixes are not cached (default 256 for BPE tokens, about 4 bytes "
+        "each: the demo's prompts are a few hundred; 1024 with --tokenizer bytes)",
     )
     up.add_argument(
         "--demo",
@@ -86,14 +97,15 @@ def report_child(console: Console, ev: ChildEvent) -> None:
 
 
 def min_cacheable(args: argparse.Namespace) -> int:
-    """--min-cacheable-tokens, else 1024 for the tiny model's bytes and 256 for a real
-    model's tokens.
+    """--min-cacheable-tokens, else 1024 for byte tokens and 256 for a real tokenizer's
+    (a checkpoint's, or the tiny model's BPE).
 
     NOTE: the demo's static system prompt is about 2,000 bytes: 2,000 byte tokens but
     under 500 BPE tokens, which the 1024 floor would leave uncached."""
     if args.min_cacheable_tokens is not None:
         return int(args.min_cacheable_tokens)
-    return 256 if args.model else 1024
+    real = args.model or args.model_dir or args.tokenizer != BYTES
+    return 256 if real else 1024
 
 
 def run_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -101,6 +113,9 @@ def run_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--replicas must be at least 1")
     if args.model and args.model_dir:
         parser.error("give --model or --model-dir, not both")
+    if args.tokenizer is not None and (args.model or args.model_dir):
+        parser.error("--tokenizer is the tiny model's: --model and --model-dir bring their own")
+    args.tokenizer = args.tokenizer or "smollm2"
     # NOTE: piped output has no width; keep keys and tables whole for scripts and logs.
     console = Console(width=None if Console().is_terminal else 140)
     stack = Stack(
@@ -109,7 +124,8 @@ def run_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         port=args.port,
         model_dir=args.model_dir,
         model=args.model,
-        kv_budget=args.kv_budget or (None if args.model else "64MiB"),
+        kv_budget=args.kv_budget,
+        tokenizer=args.tokenizer,
         min_cacheable_tokens=min_cacheable(args),
         on_event=lambda ev: report_child(console, ev),
     )

@@ -28,7 +28,8 @@ class PrefillSpan:
 
     start: int  # first packed row (its token is at position num_cached)
     end: int  # one past the last packed row
-    context_slots: torch.Tensor  # [N] pool slots of positions 0..N-1
+    length: int  # N: the context attended over, positions 0..N-1
+    block_table: torch.Tensor  # [ceil(N / block_size)] blocks holding positions 0..N-1
     # [end-start, N] bool, True = may attend; None when nothing was cached, where the
     # plain causal mask applies and SDPA can skip the masked half.
     mask: torch.Tensor | None
@@ -39,8 +40,8 @@ class DecodeSpan:
     """All decoding sequences: the last ``batch`` rows of the packed batch."""
 
     start: int  # first decode row; decode rows run to the end of the batch
-    context_slots: torch.Tensor  # [batch, L] slots of positions 0..L-1, padded
-    mask: torch.Tensor  # [batch, 1, 1, L] bool, True = a real position <= the query's
+    block_table: torch.Tensor  # [batch, nb] blocks of positions 0..nb*block_size-1, padded
+    mask: torch.Tensor  # [batch, 1, 1, nb*block_size] bool, True = a position <= the query's
 
 
 @dataclass(slots=True)
@@ -104,10 +105,10 @@ def paged_attention(
     pool.write(layer, meta.slot_mapping, k, v)
     out = torch.empty_like(q)
     for span in meta.prefills:
-        ck, cv = pool.gather(layer, span.context_slots)
-        # [N, Hkv, D] -> [1, Hkv, N, D]: SDPA wants heads before tokens.
-        ck = ck.to(q.dtype).transpose(0, 1).unsqueeze(0)
-        cv = cv.to(q.dtype).transpose(0, 1).unsqueeze(0)
+        ck, cv = pool.gather_blocks(layer, span.block_table)  # [Hkv, nb*bs, D]
+        # The last block's tail is not context; [1, Hkv, N, D] is SDPA's layout.
+        ck = ck[:, : span.length].to(q.dtype).unsqueeze(0)
+        cv = cv[:, : span.length].to(q.dtype).unsqueeze(0)
         qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
         if span.mask is None:
             res = F.scaled_dot_product_attention(qs, ck, cv, is_causal=True, enable_gqa=True)
@@ -116,12 +117,11 @@ def paged_attention(
         out[span.start : span.end] = res[0].transpose(0, 1)
     if meta.decode is not None:
         d = meta.decode
-        ck, cv = pool.gather(layer, d.context_slots)  # [B, L, Hkv, D]
-        ck, cv = ck.to(q.dtype), cv.to(q.dtype)
+        ck, cv = pool.gather_blocks(layer, d.block_table)  # [B, Hkv, nb*bs, D]
         res = F.scaled_dot_product_attention(
             q[d.start :].unsqueeze(2),  # [B, H, 1, D]
-            ck.transpose(1, 2),
-            cv.transpose(1, 2),
+            ck.to(q.dtype),
+            cv.to(q.dtype),
             attn_mask=d.mask,
             enable_gqa=True,
         )

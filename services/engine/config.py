@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .tokenizer import BYTE_VOCAB_SIZE
@@ -104,6 +106,28 @@ def _required(hf: dict[str, Any], key: str) -> int:
     return int(hf[key])
 
 
+def eos_ids(raw: Any) -> tuple[int, ...]:
+    """EOS ids as a config spells them: an int, a list of ints, or absent (None)."""
+    if raw is None:
+        return ()
+    values = raw if isinstance(raw, list) else [raw]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ValueError(f"eos_token_id must be a token id or a list of them, not {raw!r}")
+    return tuple(values)
+
+
+def generation_eos_ids(folder: Path | str | None) -> tuple[int, ...]:
+    """The EOS ids of a checkpoint folder's ``generation_config.json`` (what
+    transformers' ``generate`` stops on); () without one, or for a GGUF file."""
+    if folder is None:
+        return ()
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return ()
+    raw = json.loads(path.read_text())
+    return eos_ids(raw.get("eos_token_id") if isinstance(raw, dict) else None)
+
+
 def normalize_dtype(name: str) -> str:
     """Canonical dtype name (``float32``, ``bfloat16`` or ``float16``)."""
     try:
@@ -139,6 +163,9 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = field(default=None)
     bos_token_id: int | None = None  # from the checkpoint; None for random models
     eos_token_id: int | None = None  # from the checkpoint; None for random models
+    # Every id that ends a turn (config.json's list, generation_config.json's, a GGUF's
+    # eot/eom), eos_token_id first; () for random models.
+    eos_token_ids: tuple[int, ...] = ()
     model_type: str = "llama"  # family, a FAMILIES key (what to_hf_config writes)
     qkv_bias: bool = False  # q/k/v projections carry biases (Qwen2); o/MLP never do
 
@@ -157,6 +184,14 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ValueError("head_dim must be even for rotary embeddings")
         self.dtype = normalize_dtype(self.dtype)
+        # NOTE: eos_token_id stays the canonical first of eos_token_ids, whichever of
+        # the two a caller set (replace() re-runs this, so they never drift apart).
+        ids = tuple(dict.fromkeys(int(i) for i in self.eos_token_ids))
+        if self.eos_token_id is not None:
+            ids = (self.eos_token_id, *(i for i in ids if i != self.eos_token_id))
+        elif ids:
+            self.eos_token_id = ids[0]
+        self.eos_token_ids = ids
 
     @classmethod
     def tiny(cls, **overrides: Any) -> ModelConfig:
@@ -174,8 +209,11 @@ class ModelConfig:
         return cls(**params)
 
     @classmethod
-    def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Read a Hugging Face Llama or Qwen2 ``config.json`` (already parsed).
+    def from_hf_config(
+        cls, hf: dict[str, Any], generation: dict[str, Any] | None = None
+    ) -> ModelConfig:
+        """Read a Hugging Face Llama or Qwen2 ``config.json`` (already parsed), and its
+        ``generation_config.json`` when given (only its EOS ids are read).
 
         Raises ``ValueError`` for anything the engine would compute differently from
         the checkpoint's own code (another family, biases, sliding windows, an
@@ -207,7 +245,7 @@ class ModelConfig:
                 raise ValueError("sliding-window attention (use_sliding_window) is not supported")
         num_heads = _required(hf, "num_attention_heads")
         rope_theta, rope_scaling = _hf_rope(hf)
-        eos = hf.get("eos_token_id")
+        eos = (*eos_ids(hf.get("eos_token_id")), *eos_ids((generation or {}).get("eos_token_id")))
         return cls(
             num_layers=num_layers,
             hidden_size=_required(hf, "hidden_size"),
@@ -223,8 +261,10 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             rope_scaling=rope_scaling,
             bos_token_id=hf.get("bos_token_id"),
-            # NOTE: some checkpoints list several EOS ids; the first is the canonical one.
-            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            # NOTE: some checkpoints list several EOS ids (Llama 3: end_of_text, eom,
+            # eot); any of them ends a turn, and the first is the canonical one.
+            eos_token_id=eos[0] if eos else None,
+            eos_token_ids=eos,
             model_type=family,
             # NOTE: Qwen2's q/k/v biases are fixed by its code, not a config key.
             qkv_bias=family == "qwen2",
@@ -265,7 +305,9 @@ class ModelConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "rope_scaling": self.rope_scaling,
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
+            "eos_token_id": (
+                list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_id
+            ),
             "hidden_act": "silu",
         }
 

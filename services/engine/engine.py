@@ -15,7 +15,7 @@ from types import TracebackType
 import torch
 
 from .batch import DecodeRequest, PrefillRequest, StepOutput
-from .config import EngineConfig, ModelConfig
+from .config import EngineConfig, ModelConfig, generation_eos_ids
 from .device import resolve_device
 from .generate import Allocator, GenerationRequest, GenerationResult, generate
 from .model import LayerHook
@@ -50,19 +50,26 @@ class Engine:
         *,
         model_dir: Path | str | None = None,
         seed: int = 0,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
+        """``tokenizer``: a random model's (default: the checkpoint's, or bytes)."""
         self.config = config = config or EngineConfig()
         folder = None if model_dir is None else Path(model_dir)
         if model_config is None:
             model_config = ModelConfig.tiny() if folder is None else read_model_config(folder)
         self.model_config = model_config
         self.model_dir = folder  # None for a random-weight model
-        self.tokenizer: Tokenizer = load_tokenizer(folder)
+        self.tokenizer: Tokenizer = tokenizer or load_tokenizer(folder)
         if self.tokenizer.vocab_size > model_config.vocab_size:
             raise ValueError(
                 f"tokenizer has {self.tokenizer.vocab_size} ids but the model only "
                 f"{model_config.vocab_size} embeddings"
             )
+        # NOTE: every id that ends a turn: the tokenizer's EOS (what generation has
+        # always stopped on), the config's list, and generation_config.json's, which
+        # weights.read_model_config does not read.
+        ids = (self.tokenizer.eos_id, *model_config.eos_token_ids, *generation_eos_ids(folder))
+        self._eos_ids = frozenset(i for i in ids if i is not None)
         self.fault_hook: LayerHook | None = None  # see the class docstring
         self._workers: TPWorkers | None = None
         self._threads_before: int | None = None
@@ -120,6 +127,13 @@ class Engine:
     def eos_id(self) -> int | None:
         eos = self.tokenizer.eos_id
         return self.model_config.eos_token_id if eos is None else eos
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        """Every id that ends a sequence (unless ``ignore_eos``): ``eos_id`` and the
+        checkpoint's other EOS ids."""
+        eos = self.eos_id
+        return self._eos_ids if eos is None or eos in self._eos_ids else self._eos_ids | {eos}
 
     @property
     def kv_pool_bytes(self) -> int:

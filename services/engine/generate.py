@@ -83,7 +83,7 @@ def generate(
     engine: Engine, requests: Sequence[GenerationRequest], allocate: Allocator
 ) -> list[GenerationResult]:
     """Batched prefill of every prompt, then batched decode steps until all finish."""
-    bs, eos = engine.block_size, engine.eos_id
+    bs, eos = engine.block_size, engine.eos_ids
     seqs: list[_Seq] = []
     for r in requests:
         seq = _Seq(r, list(r.block_table), StopChecker(engine.tokenizer, r.params.stop))
@@ -103,7 +103,7 @@ def generate(
             position = len(s.req.prompt_ids) + len(s.out) - 1  # where `tok` would go
             p = s.req.params
             if (
-                (tok == eos and not p.ignore_eos)
+                (tok in eos and not p.ignore_eos)
                 or tok in p.stop_token_ids
                 or s.stop.append(tok) is not None
             ):

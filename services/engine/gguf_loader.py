@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cachepoint.tokenizer.gguf_vocab import gguf_field, gguf_reader
+from cachepoint.tokenizer.gguf_vocab import gguf_eos_ids, gguf_field, gguf_reader
 
 from .config import ModelConfig
 from .weights import cut_shard
@@ -88,10 +88,8 @@ def read_gguf_config(path: Path | str) -> ModelConfig:
     if vocab is None:
         raise ValueError(f"{path} states no vocabulary size")
     names = {t.name for t in gguf_reader(path).tensors}
-    bos, eos = (
-        gguf_field(path, "tokenizer.ggml.bos_token_id"),
-        gguf_field(path, "tokenizer.ggml.eos_token_id"),
-    )
+    bos = gguf_field(path, "tokenizer.ggml.bos_token_id")
+    eos = gguf_eos_ids(path)
     return ModelConfig(
         num_layers=int(key("block_count")),
         hidden_size=hidden,
@@ -108,7 +106,8 @@ def read_gguf_config(path: Path | str) -> ModelConfig:
         # NOTE: a file without output.weight reuses the token embedding as lm_head.
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=None if bos is None else int(bos),
-        eos_token_id=None if eos is None else int(eos),
+        eos_token_id=eos[0] if eos else None,
+        eos_token_ids=eos,
     )
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata, paged_attention
@@ -23,6 +24,17 @@ from .rotary import Rotary, apply_rotary
 from .weights import RandomWeights, WeightSource
 
 LayerHook = Callable[[int], None]
+
+
+def _fused(params: list[torch.Tensor]) -> torch.Tensor:
+    """One tensor holding ``params`` stacked along dim 0; each param's data becomes a
+    view of its rows, so nothing is held twice."""
+    fused = torch.cat([p.detach() for p in params])
+    row = 0
+    for p in params:
+        p.data = fused[row : row + p.shape[0]]
+        row += p.shape[0]
+    return fused
 
 
 class RMSNorm(nn.Module):
@@ -53,6 +65,22 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        # q, k and v rows in one tensor (see fuse()); None until then.
+        self.qkv_weight: torch.Tensor | None = None
+        self.qkv_bias: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        """Put q, k and v in one tensor, their parameters becoming views of it.
+
+        NOTE: one matmul instead of three. At decode the projections are matrix-vector
+        products whose cost on a CPU is partly the per-call overhead, 30 layers deep;
+        the parameters stay (as views, no extra memory) so that names, state_dict and
+        in-place updates work as before.
+        """
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = _fused([p.weight for p in parts])
+        if self.q_proj.bias is not None:
+            self.qkv_bias = _fused([p.bias for p in parts])
 
     def forward(
         self,
@@ -64,9 +92,14 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv_weight is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split((nq, nkv, nkv), -1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         attn = paged_attention(layer, q, k, v, pool, meta)
         out: torch.Tensor = self.o_proj(attn.reshape(t, self.num_heads * self.head_dim))
@@ -83,10 +116,18 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(h, inner, bias=False)
         self.up_proj = nn.Linear(h, inner, bias=False)
         self.down_proj = nn.Linear(inner, h, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None  # see fuse()
+
+    def fuse(self) -> None:
+        """Gate and up rows in one tensor (as in LlamaAttention.fuse)."""
+        self.gate_up_weight = _fused([self.gate_proj.weight, self.up_proj.weight])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = nn.functional.silu(self.gate_proj(x))
-        out: torch.Tensor = self.down_proj(gate * self.up_proj(x))
+        if self.gate_up_weight is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, -1)
+        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
         if self.tp_size > 1:
             dist.all_reduce(out)
         return out
@@ -145,9 +186,13 @@ class LlamaForCausalLM(nn.Module):
         self.rotary: Rotary | None = None
 
     def finish_init(self, device: torch.device) -> None:
-        """Build the non-parameter state (rotary frequencies) on ``device``."""
+        """Build the non-parameter state on ``device``: rotary frequencies and the
+        fused projections (after the weights are loaded)."""
         c = self.config
         self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling, device)
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def hidden(
         self,

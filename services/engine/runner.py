@@ -136,12 +136,11 @@ class ModelRunner:
         for r in prefills:
             n, m = len(r.token_ids), r.num_cached_tokens
             table = torch.tensor(r.block_table[: math.ceil(n / bs)], dtype=torch.long, device=dev)
-            context = slot_mapping(table, 0, n, bs)
             ids.extend(r.token_ids[m:])
             positions.append(torch.arange(m, n, dtype=torch.long, device=dev))
-            slots.append(context[m:])
+            slots.append(slot_mapping(table, m, n, bs))
             mask = None if m == 0 else causal_mask_with_prefix(m, n, dev)
-            spans.append(PrefillSpan(row, row + n - m, context, mask))
+            spans.append(PrefillSpan(row, row + n - m, n, table, mask))
             row += n - m
         decode: DecodeSpan | None = None
         if decodes:
@@ -156,14 +155,15 @@ class ModelRunner:
                 dtype=torch.long,
                 device=dev,
             )
-            lane = torch.arange(length, dtype=torch.long, device=dev)
-            context = table[:, lane // bs] * bs + lane % bs  # [B, L]
+            # NOTE: attention reads whole blocks (nb * bs positions); the mask hides the
+            # tail of each lane's last block and the padded lanes' blocks.
+            lane = torch.arange(nb * bs, dtype=torch.long, device=dev)
             pos = torch.tensor([d.position for d in decodes], dtype=torch.long, device=dev)
             mask = (lane[None, :] <= pos[:, None])[:, None, None, :]
             ids.extend(d.token_id for d in decodes)
             positions.append(pos)
-            slots.append(context.gather(1, pos[:, None]).squeeze(1))
-            decode = DecodeSpan(row, context, mask)
+            slots.append(table.gather(1, (pos // bs)[:, None]).squeeze(1) * bs + pos % bs)
+            decode = DecodeSpan(row, table, mask)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         meta = AttentionMetadata(torch.cat(slots), spans, decode)
         return input_ids, torch.cat(positions), meta

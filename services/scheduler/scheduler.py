@@ -179,6 +179,12 @@ class Scheduler:
             raise InvalidRequestError(
                 f"token_ids.{bad}: {req.token_ids[bad]} is not a token id (0..{vocab - 1})"
             )
+        bad = next((i for i, t in enumerate(req.stop_token_ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"stop_token_ids.{bad}: {req.stop_token_ids[bad]} is not a token id "
+                f"(0..{vocab - 1})"
+            )
         if n >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt of {n} tokens leaves no room to generate: max_model_len is "
@@ -201,6 +207,7 @@ class Scheduler:
                 top_p=req.top_p,
                 top_k=req.top_k,
                 stop=tuple(req.stop_sequences),
+                stop_token_ids=tuple(req.stop_token_ids),
                 seed=req.seed,
                 ignore_eos=req.ignore_eos,
             )
@@ -499,8 +506,9 @@ class Scheduler:
 
     def _append_token(self, seq: SequenceState, token: int) -> None:
         seq.output.append(token)
-        eos = self.engine.eos_id
-        if token == eos and not seq.params.ignore_eos:
+        if (
+            token in self.engine.eos_ids and not seq.params.ignore_eos
+        ) or token in seq.params.stop_token_ids:
             seq.stop_reason = "end_turn"
         elif seq.stopper.append(token) is not None:
             seq.stop_reason = "stop_sequence"

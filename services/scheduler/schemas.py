@@ -46,6 +46,12 @@ class GenerateRequest(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     stop_sequences: list[str] = Field(default_factory=list, max_length=16)
+    stop_token_ids: list[int] = Field(
+        default_factory=list,
+        max_length=16,
+        description="ids that end the turn like EOS (stop_reason end_turn), even with "
+        "ignore_eos; checked against the vocabulary",
+    )
     seed: int | None = None
     ignore_eos: bool = False
     stream: bool = False

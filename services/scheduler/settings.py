@@ -19,6 +19,7 @@ from .model_source import (
     checkpoint_problem,
     preset_path,
 )
+from .random_model import TOKENIZER_CHOICES, tokenizer_source
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20}
 _UNITS |= {"mib": 2**20, "g": 2**30, "gb": 2**30, "gib": 2**30}
@@ -60,6 +61,12 @@ class ReplicaSettings(BaseSettings):
         "tiny",
         pattern="^(tiny|small)$",
         description="random-weight model size without model_dir: tiny (2x64) or small (4x256)",
+    )
+    tokenizer: str = Field(
+        "bytes",
+        description="the random model's tokenizer: "
+        f"{' | '.join(TOKENIZER_CHOICES)} | a .gguf file | a HF folder with tokenizer.json; "
+        "its vocabulary and BOS/EOS become the model's (a checkpoint brings its own)",
     )
     seed: int = Field(0, description="seed for random weights when no model_dir is given")
     tensor_parallel_size: int = Field(1, ge=1, description="ranks that split heads")
@@ -143,6 +150,21 @@ class ReplicaSettings(BaseSettings):
             self.model_name = self.model_name or checkpoint_model_name(self.model_dir)
         self.model_name = self.model_name or RANDOM_MODEL_NAME
         return self
+
+    @model_validator(mode="after")
+    def _tokenizer(self) -> ReplicaSettings:
+        if self.model_dir is not None and self.tokenizer != "bytes":
+            raise ValueError(
+                "tokenizer applies to the random model only: a checkpoint (model, "
+                "model_dir) brings its own"
+            )
+        tokenizer_source(self.tokenizer)  # a bad value fails here, not at start-up
+        return self
+
+    @property
+    def tokenizer_path(self) -> Path | None:
+        """The file or folder the random model's tokenizer comes from; None = bytes."""
+        return tokenizer_source(self.tokenizer)
 
     @model_validator(mode="after")
     def _nats_auth(self) -> ReplicaSettings:

@@ -89,6 +89,20 @@ def gguf_field(path: Path | str, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
+# The keys whose ids end a turn: EOS, and llama.cpp's end-of-turn / end-of-message.
+EOS_KEYS = (
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.eot_token_id",
+    "tokenizer.ggml.eom_token_id",
+)
+
+
+def gguf_eos_ids(path: Path | str) -> tuple[int, ...]:
+    """Every id that ends a turn in a GGUF file, EOS first; () when it names none."""
+    ids = (gguf_field(path, key) for key in EOS_KEYS)
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
 def read_vocab(path: Path | str) -> GGUFVocab:
     """The tokenizer metadata of a GGUF file."""
     tokens = gguf_field(path, "tokenizer.ggml.tokens")

@@ -52,6 +52,7 @@ def test_up_model_smollm2_answers_through_the_sdk(tmp_path, free_port):
         # Counted in the model's BPE tokens (about 4 bytes each), not in bytes: the
         # question alone is 30 bytes but 7 tokens.
         assert 7 <= msg.usage.input_tokens < 60, msg.usage
+        _tool_round_trip(client)
         assert proc.poll() is None
     finally:
         proc.send_signal(signal.SIGINT)
@@ -60,6 +61,50 @@ def test_up_model_smollm2_answers_through_the_sdk(tmp_path, free_port):
     assert "smollm2-135m-instruct" in out and "Traceback" not in out, out
     time.sleep(0.5)
     assert not [n for n, pid in ep["pids"].items() if _alive(pid)], "orphan processes left"
+
+
+WEATHER_TOOL = {
+    "name": "get_weather",
+    "description": "Get the current weather for a city",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "description": "the city name"}},
+        "required": ["city"],
+    },
+}
+
+
+def _tool_round_trip(client: anthropic.Anthropic) -> None:
+    """The real model calls a tool through the template, then reads its result."""
+    ask = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+    kw = {"model": MODEL_ID, "max_tokens": 48, "extra_body": {"temperature": 0.0}}
+    call = client.messages.create(
+        **kw,
+        tools=[WEATHER_TOOL],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        messages=ask,
+    )
+    uses = [b for b in call.content if b.type == "tool_use"]
+    assert call.stop_reason == "tool_use", call
+    assert [(u.name, u.input) for u in uses] == [("get_weather", {"city": "Paris"})], call
+    assert uses[0].id.startswith("toolu_")
+    result = "18 degrees Celsius and sunny"
+    follow = [
+        *ask,
+        {"role": "assistant", "content": [b.model_dump() for b in call.content]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": result}],
+        },
+    ]
+    # NOTE: tool_choice none, as a client does when it wants the answer now: with the
+    # tool still on offer the 135M model writes a <tool_response> of its own instead.
+    answer = client.messages.create(
+        **kw, tools=[WEATHER_TOOL], tool_choice={"type": "none"}, messages=follow
+    )
+    text = "".join(b.text for b in answer.content if b.type == "text")
+    # The model read the rendered tool result: it answers with its figure.
+    assert answer.stop_reason in ("end_turn", "max_tokens") and "18" in text, answer
 
 
 def test_up_help_names_the_model_flag():
@@ -97,9 +142,15 @@ def test_stack_refuses_a_model_dir_that_is_no_checkpoint(tmp_path):
 
 
 def test_min_cacheable_defaults_per_model():
-    ns = argparse.Namespace
-    assert min_cacheable(ns(min_cacheable_tokens=None, model=None)) == 1024
-    assert min_cacheable(ns(min_cacheable_tokens=None, model="smollm2")) == 256
+    def ns(**kw: object) -> argparse.Namespace:
+        given = {"min_cacheable_tokens": None, "model": None, "model_dir": None}
+        return argparse.Namespace(**{**given, "tokenizer": "smollm2", **kw})
+
+    # 1024 for byte tokens; 256 for a real tokenizer's (the tiny model's default BPE,
+    # or a checkpoint's), whose tokens are about 4 bytes each.
+    assert min_cacheable(ns(tokenizer="bytes")) == 1024
+    assert min_cacheable(ns()) == 256
+    assert min_cacheable(ns(model="smollm2")) == 256
     assert min_cacheable(ns(min_cacheable_tokens=64, model="smollm2")) == 64
 
 

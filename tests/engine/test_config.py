@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 import torch
 
 from cachepoint.engine import ModelConfig
+from cachepoint.engine.config import generation_eos_ids
 from cachepoint.engine.device import resolve_device, resolve_dtype
 
 LLAMA_3_2_1B = {
@@ -182,3 +187,39 @@ def test_device_and_dtype_resolution_on_cpu() -> None:
         assert resolve_device("auto") == torch.device("cpu")
         with pytest.raises(RuntimeError, match="is_available"):
             resolve_device("cuda")
+
+
+def test_config_keeps_every_eos_id_of_config_and_generation_config() -> None:
+    c = ModelConfig.from_hf_config(LLAMA_3_2_1B)
+    assert c.eos_token_id == 128001
+    assert c.eos_token_ids == (128001, 128008, 128009)
+    # generation_config.json's ids join (once each), after config.json's.
+    gen = {"eos_token_id": [128009, 128256 - 1]}
+    both = ModelConfig.from_hf_config(LLAMA_3_2_1B, gen)
+    assert both.eos_token_ids == (128001, 128008, 128009, 128255)
+    only_gen = ModelConfig.from_hf_config(
+        {**LLAMA_3_2_1B, "eos_token_id": None}, {"eos_token_id": 7}
+    )
+    assert (only_gen.eos_token_id, only_gen.eos_token_ids) == (7, (7,))
+    single = ModelConfig.from_hf_config({**LLAMA_3_2_1B, "eos_token_id": 5})
+    assert (single.eos_token_id, single.eos_token_ids) == (5, (5,))
+    # Written back as the list, read back the same.
+    assert c.to_hf_config()["eos_token_id"] == [128001, 128008, 128009]
+    assert ModelConfig.from_hf_config(c.to_hf_config()) == c
+    with pytest.raises(ValueError, match="eos_token_id"):
+        ModelConfig.from_hf_config({**LLAMA_3_2_1B, "eos_token_id": ["</s>"]})
+
+
+def test_config_eos_token_id_stays_first_of_the_ids() -> None:
+    c = ModelConfig.tiny(eos_token_ids=(9, 4, 9))
+    assert (c.eos_token_id, c.eos_token_ids) == (9, (9, 4))
+    moved = replace(c, eos_token_id=4)
+    assert moved.eos_token_ids == (4, 9)
+    assert ModelConfig.tiny().eos_token_ids == ()
+
+
+def test_generation_config_eos_ids(tmp_path: Path) -> None:
+    assert generation_eos_ids(tmp_path) == ()
+    assert generation_eos_ids(None) == ()
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3]}))
+    assert generation_eos_ids(tmp_path) == (2, 3)

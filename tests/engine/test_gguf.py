@@ -23,6 +23,7 @@ from cachepoint.engine.gguf_loader import (
     unpermute_rotary_rows,
 )
 from cachepoint.engine.weights import RandomWeights, hf_weight_shapes
+from cachepoint.scheduler.model_source import preset_path
 from cachepoint.tokenizer import load_tokenizer
 from cachepoint.tokenizer.gguf_vocab import gguf_model_name
 
@@ -54,7 +55,9 @@ def tiny_config() -> ModelConfig:
     )
 
 
-def write_tiny_gguf(path: Path, config: ModelConfig, *, permute: bool = True) -> Path:
+def write_tiny_gguf(
+    path: Path, config: ModelConfig, *, permute: bool = True, eot_eom: tuple[int, int] | None = None
+) -> Path:
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("Tiny Test Llama 2x64")
     writer.add_block_count(config.num_layers)
@@ -73,6 +76,9 @@ def write_tiny_gguf(path: Path, config: ModelConfig, *, permute: bool = True) ->
     writer.add_token_merges(MERGES)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    if eot_eom is not None:
+        writer.add_eot_token_id(eot_eom[0])
+        writer.add_eom_token_id(eot_eom[1])
     source = RandomWeights(config, SEED)
     for name in hf_weight_shapes(config):
         w = source.full(name).numpy()
@@ -110,6 +116,16 @@ def test_config_from_metadata(tiny_gguf: Path) -> None:
     want = replace(tiny_config(), rms_norm_eps=got.rms_norm_eps, bos_token_id=1, eos_token_id=2)
     assert got == want
     assert gguf_model_name(tiny_gguf) == "tiny-test-llama-2x64"
+
+
+def test_config_takes_every_eos_id_of_the_file(tiny_gguf: Path, tmp_path: Path) -> None:
+    assert read_gguf_config(tiny_gguf).eos_token_ids == (2,)
+    both = write_tiny_gguf(tmp_path / "eot.gguf", tiny_config(), eot_eom=(5, 6))
+    got = read_gguf_config(both)
+    assert (got.eos_token_id, got.eos_token_ids) == (2, (2, 5, 6))
+    assert Engine(config=EngineConfig(device="cpu"), model_dir=both).eos_ids == {2, 5, 6}
+    smollm2 = read_gguf_config(preset_path("smollm2"))
+    assert (smollm2.eos_token_id, smollm2.eos_token_ids) == (2, (2,))
 
 
 def test_weights_by_hf_name_and_tp_shards(tiny_gguf: Path) -> None:

@@ -170,3 +170,12 @@ def test_model_build_model_from_a_seed_equals_the_engines_weights() -> None:
     theirs = dict(engine.runner.model.named_parameters())
     for name, param in model.named_parameters():
         assert torch.equal(param, theirs[name]), name
+
+
+def test_engine_stops_on_generation_config_eos_ids_too(tmp_path: Path) -> None:
+    c = ModelConfig.tiny(vocab_size=320, eos_token_ids=(2, 5))
+    write_checkpoint(tmp_path / "ckpt", c, seed=9)
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["eos_token_id"] == [2, 5]
+    assert Engine(config=CPU, model_dir=tmp_path / "ckpt").eos_ids == {2, 5}
+    (tmp_path / "ckpt" / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
+    assert Engine(config=CPU, model_dir=tmp_path / "ckpt").eos_ids == {2, 5, 7}

@@ -41,6 +41,7 @@ class Script:
     texts: list[str] = field(default_factory=lambda: ["ab"])  # token texts, cycled
     once: bool = False  # replay ``texts`` once (up to max_tokens) instead of cycling them
     stop_reason: str = "max_tokens"  # the final response's stop reason
+    stop_sequence: str | None = None  # the final response's stop string (stop_sequence)
     delay_s: float = 0.0  # before each token event
     cache: dict[str, Any] = field(default_factory=dict)  # forged cache report fields
     extra_tokens: int = 0  # token events beyond max_tokens (a forged count)
@@ -48,6 +49,7 @@ class Script:
     prefill_s: float = 0.0  # queue + prefill before prefill_done (dropped on a hang-up)
     dropped: set[str] = field(default_factory=set)  # request ids dropped before prefill_done
     calls: int = 0  # generate calls
+    bodies: list[dict[str, Any]] = field(default_factory=list)  # generate bodies received
     sent: dict[str, int] = field(default_factory=dict)  # request id -> token events written
     finished: set[str] = field(default_factory=set)  # request ids streamed to the end
 
@@ -59,6 +61,7 @@ def scripted_replica(script: Script) -> FastAPI:
     async def generate(request: Request) -> Any:
         body = await request.json()
         script.calls += 1
+        script.bodies.append(body)
         rid = body["request_id"]
         n = body["max_tokens"] + script.extra_tokens
         if script.once:
@@ -93,7 +96,7 @@ def scripted_replica(script: Script) -> FastAPI:
             "output_token_ids": list(range(n)),
             "text": "".join(texts),
             "stop_reason": script.stop_reason,
-            "stop_sequence": None,
+            "stop_sequence": script.stop_sequence,
             "output_tokens": n + script.final_delta,
             "cache": cache,
             "timings": {"queue_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "ttft_s": 0.0},

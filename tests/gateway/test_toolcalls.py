@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from cachepoint.gateway.contract.toolcalls import (
+    CLOSE,
+    NO_FORCING,
     TextPart,
     ToolCall,
     ToolCallParser,
+    forcing,
     offered,
     split,
 )
@@ -172,3 +176,47 @@ def test_offered_tools():
     assert offered(_request(tools=[tool])) == frozenset({"get_time"})
     assert offered(_request(tools=[tool], tool_choice={"type": "auto"})) == {"get_time"}
     assert offered(_request(tools=[tool], tool_choice={"type": "none"})) is None
+
+
+TOOL = {"name": "get_weather", "input_schema": {"type": "object"}}
+
+
+def test_forcing_opens_the_call_that_tool_choice_asks_for():
+    named = forcing(_request(tools=[TOOL], tool_choice={"type": "tool", "name": "get_weather"}))
+    assert named.prefix == '<tool_call>\n{"name": "get_weather", "arguments": {'
+    assert named.stop == CLOSE
+    anyone = forcing(_request(tools=[TOOL], tool_choice={"type": "any"}))
+    assert anyone.prefix == '<tool_call>\n{"name": "' and anyone.stop == CLOSE
+    for choice in (None, {"type": "auto"}, {"type": "none"}):
+        assert forcing(_request(tools=[TOOL], tool_choice=choice)) is NO_FORCING
+    # The model finishes the call; the stop string it was stopped at closes it again.
+    text, reason, seq = named.settle('"city": "Paris"}}\n', "stop_sequence", CLOSE)
+    assert shape(split(text, NAMES)) == [("tool_use", ("get_weather", {"city": "Paris"}))]
+    assert (reason, seq) == ("end_turn", None)
+    # A client's own stop string still reads as one; other endings pass through.
+    assert named.settle("x", "stop_sequence", "STOP")[1:] == ("stop_sequence", "STOP")
+    assert named.settle("x", "max_tokens", None) == (named.prefix + "x", "max_tokens", None)
+
+
+def test_forcing_leaves_a_full_stop_list_alone():
+    full = [f"s{i}" for i in range(16)]
+    body = _request(tools=[TOOL], tool_choice={"type": "any"}, stop_sequences=full)
+    assert forcing(body).stop is None
+    mine = _request(tools=[TOOL], tool_choice={"type": "any"}, stop_sequences=[CLOSE])
+    assert forcing(mine).stop is None  # the client's own: it stays a stop_sequence
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"tool_choice": {"type": "any"}}, "needs at least one tool"),
+        ({"tools": [TOOL], "tool_choice": {"type": "tool"}}, "needs tool_choice.name"),
+        (
+            {"tools": [TOOL], "tool_choice": {"type": "tool", "name": "launch"}},
+            "'launch' is not one of the tools",
+        ),
+    ],
+)
+def test_forcing_refuses_what_it_cannot_honour(kw, message):
+    with pytest.raises(ValueError, match=message):
+        forcing(_request(**kw))

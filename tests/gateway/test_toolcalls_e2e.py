@@ -157,3 +157,142 @@ def test_a_keyed_tool_use_answer_replays_with_the_same_ids(gateway_for):
     assert first.status_code == again.status_code == 200
     assert first.json()["stop_reason"] == "tool_use"
     assert again.content == first.content and script.calls == 1
+
+
+FORCED_WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_tool_starts_the_call_and_stops_at_its_end(gateway_for, stream):
+    """The replica only finishes the arguments and is stopped at </tool_call>."""
+    script = Script(
+        texts=['"city"', ': "Paris"}}', "\n"],
+        once=True,
+        stop_reason="stop_sequence",
+        stop_sequence="</tool_call>",
+    )
+    gw: Gateway = gateway_for(script)
+    client = gw.client()
+    choice = {"type": "tool", "name": "get_weather"}
+    kw: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 64,
+        "messages": MSGS,
+        "tools": TOOLS,
+        "tool_choice": choice,
+    }
+    if stream:
+        with client.messages.stream(**kw) as s:
+            msg = s.get_final_message()
+    else:
+        msg = client.messages.create(**kw)
+    assert _shape(msg.content) == [("tool_use", "get_weather", {"city": "Paris"})]
+    assert msg.stop_reason == "tool_use" and msg.stop_sequence is None
+    sent = script.bodies[-1]
+    assert sent["stop_sequences"] == ["</tool_call>"]
+    # The opening is the prompt's last tokens (the byte tokenizer: its UTF-8 bytes),
+    # billed as input: the usage row counts it.
+    opening = list(FORCED_WEATHER.encode())
+    assert sent["token_ids"][-len(opening) :] == opening
+    counted = client.messages.count_tokens(
+        model=MODEL, messages=MSGS, tools=TOOLS, tool_choice=choice
+    )
+    assert counted.input_tokens == len(sent["token_ids"]) == msg.usage.input_tokens
+    plain = client.messages.count_tokens(model=MODEL, messages=MSGS, tools=TOOLS)
+    assert counted.input_tokens > plain.input_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_any_lets_the_model_name_the_tool(gateway_for, stream):
+    script = Script(
+        texts=['get_time", "arguments": {}}\n'],
+        once=True,
+        stop_reason="stop_sequence",
+        stop_sequence="</tool_call>",
+    )
+    gw: Gateway = gateway_for(script)
+    client = gw.client()
+    kw: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 64,
+        "messages": MSGS,
+        "tools": TOOLS,
+        "tool_choice": {"type": "any"},
+        "stop_sequences": ["END"],
+    }
+    if stream:
+        with client.messages.stream(**kw) as s:
+            msg = s.get_final_message()
+    else:
+        msg = client.messages.create(**kw)
+    assert _shape(msg.content) == [("tool_use", "get_time", {})]
+    assert msg.stop_reason == "tool_use"
+    assert script.bodies[-1]["stop_sequences"] == ["END", "</tool_call>"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_the_model_botches_is_text(gateway_for, stream):
+    """No call parses: the answer is the text, opening included, and ends as it ended."""
+    script = Script(texts=["I would rather not."], once=True, stop_reason="end_turn")
+    gw: Gateway = gateway_for(script)
+    client = gw.client()
+    kw: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 64,
+        "messages": MSGS,
+        "tools": TOOLS,
+        "tool_choice": {"type": "tool", "name": "get_weather"},
+    }
+    if stream:
+        with client.messages.stream(**kw) as s:
+            msg = s.get_final_message()
+    else:
+        msg = client.messages.create(**kw)
+    assert _shape(msg.content) == [("text", FORCED_WEATHER + "I would rather not.")]
+    assert msg.stop_reason == "end_turn"
+
+
+def test_a_tool_choice_that_cannot_be_honoured_is_a_400(gateway_for):
+    gw: Gateway = gateway_for(Script(texts=CALLS, once=True))
+    headers = {"x-api-key": gw.keys["a"], "anthropic-version": "2023-06-01"}
+    bad = [
+        ({"tool_choice": {"type": "any"}}, "needs at least one tool"),
+        ({"tools": TOOLS, "tool_choice": {"type": "tool", "name": "launch"}}, "'launch'"),
+    ]
+    for extra, words in bad:
+        body = {"model": MODEL, "messages": MSGS, **extra}
+        for path, more in (("/v1/messages", {"max_tokens": 8}), ("/v1/messages/count_tokens", {})):
+            r = httpx.post(f"{gw.url}{path}", json={**body, **more}, headers=headers, timeout=30)
+            assert r.status_code == 400, (path, r.text)
+            err = r.json()["error"]
+            assert err["type"] == "invalid_request_error" and words in err["message"]
+
+
+def test_the_sdks_own_answer_can_be_sent_back(gateway_for):
+    """A client replays the assistant turn as the SDK gave it: as its objects, or as
+    their model_dump(), which adds caller and toolset_name (null)."""
+    gw: Gateway = gateway_for(Script(texts=CALLS, once=True, stop_reason="end_turn"))
+    client = gw.client()
+    msg = client.messages.create(model=MODEL, max_tokens=64, messages=MSGS, tools=TOOLS)
+    uses = [b for b in msg.content if isinstance(b, ToolUseBlock)]
+    dumped = [b.model_dump() for b in msg.content]
+    assert "caller" in dumped[1] and "toolset_name" in dumped[1]
+    results = [{"type": "tool_result", "tool_use_id": u.id, "content": "sunny"} for u in uses]
+    for replay in (msg.content, dumped):
+        follow = [
+            *MSGS,
+            {"role": "assistant", "content": replay},
+            {"role": "user", "content": results},
+        ]
+        again = client.messages.create(model=MODEL, max_tokens=64, messages=follow, tools=TOOLS)
+        assert again.stop_reason == "tool_use"
+    # A caller is an object with a type; anything else is still refused.
+    headers = {"x-api-key": gw.keys["a"], "anthropic-version": "2023-06-01"}
+    dumped[1]["caller"] = "me"
+    body = {
+        "model": MODEL,
+        "max_tokens": 8,
+        "messages": [*MSGS, {"role": "assistant", "content": dumped}],
+    }
+    r = httpx.post(f"{gw.url}/v1/messages", json=body, headers=headers, timeout=30)
+    assert r.status_code == 400 and "caller" in r.json()["error"]["message"]

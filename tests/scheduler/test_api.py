@@ -54,6 +54,20 @@ def test_api_stream_matches_non_stream(base_url: str):
     )
 
 
+def test_api_stop_token_ids_end_the_turn_streamed_or_not(base_url: str):
+    body = {"token_ids": PROMPT, "max_tokens": 12, "ignore_eos": True}
+    free = httpx.post(f"{base_url}/v1/generate", json=body).json()["output_token_ids"]
+    at = next(i for i in range(2, len(free)) if free[i] not in free[:i])
+    body = {**body, "stop_token_ids": [free[at]]}
+    plain = httpx.post(f"{base_url}/v1/generate", json=body).json()
+    assert plain["stop_reason"] == "end_turn"
+    assert plain["output_token_ids"] == free[: at + 1]
+    with httpx.stream("POST", f"{base_url}/v1/generate", json={**body, "stream": True}) as r:
+        lines = [json.loads(line) for line in r.iter_lines() if line]
+    assert [x["token_id"] for x in lines if x["type"] == "token"] == free[: at + 1]
+    assert lines[-1]["response"]["stop_reason"] == "end_turn"
+
+
 def test_api_health_and_metrics(base_url: str):
     assert httpx.get(f"{base_url}/healthz").status_code == 200
     assert httpx.get(f"{base_url}/readyz").json()["status"] == "ready"
@@ -74,6 +88,9 @@ def test_api_health_and_metrics(base_url: str):
     ("body", "message"),
     [
         ({"token_ids": [1, 99999]}, "token_ids.1: 99999 is not a token id"),
+        ({"token_ids": [1, 2], "stop_token_ids": [5, 99999]}, "stop_token_ids.1: 99999 is not"),
+        ({"token_ids": [1, 2], "stop_token_ids": [-1]}, "stop_token_ids.0: -1 is not"),
+        ({"token_ids": [1, 2], "stop_token_ids": list(range(17))}, "stop_token_ids"),
         ({"token_ids": []}, "token_ids"),
         ({"token_ids": [1, 2], "bogus": 1}, "bogus"),
         ({"token_ids": [1, 2], "breakpoints": [{"position": 9}]}, "past the prompt"),

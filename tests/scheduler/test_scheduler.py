@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -189,3 +190,57 @@ async def test_scheduler_stop_sequence_and_eos(sched: Scheduler, engine: Engine)
     assert stopped.stop_sequence == stop
     assert stop not in stopped.text
     assert free.stop_reason == "max_tokens"
+
+
+def _new_token_at(tokens: list[int], at: int) -> tuple[int, int]:
+    """(index, token) of the first token from ``at`` on that did not come before it."""
+    i = next(i for i in range(at, len(tokens)) if tokens[i] not in tokens[:i])
+    return i, tokens[i]
+
+
+async def test_scheduler_any_eos_id_of_the_checkpoint_ends_the_turn(engine: Engine, settings, sink):
+    prompt = _prompt(30, 11)
+    cfg = engine.model_config
+    free = await _free_run(engine, settings, sink, prompt)
+    at, second = _new_token_at(free, 4)
+    assert engine.eos_id not in free[: at + 1]
+    # The same weights (same shape and seed), with a second EOS id in the config.
+    two = Engine(replace(cfg, eos_token_ids=(engine.eos_id, second)), engine.config, seed=1)
+    assert two.eos_ids == {engine.eos_id, second}
+    s = Scheduler(two, settings, sink=sink)
+    s.start()
+    try:
+        got = await _generate(s, token_ids=prompt, max_tokens=20)
+        assert got.stop_reason == "end_turn"
+        assert got.output_token_ids == free[: at + 1]
+        kept = await _generate(s, token_ids=prompt, max_tokens=20, ignore_eos=True)
+        assert kept.stop_reason == "max_tokens"
+        assert kept.output_token_ids == free
+    finally:
+        await s.stop()
+
+
+async def _free_run(engine: Engine, settings, sink, prompt: list[int]) -> list[int]:
+    s = Scheduler(engine, settings, sink=sink)
+    s.start()
+    try:
+        res = await _generate(s, token_ids=prompt, max_tokens=20, ignore_eos=True)
+    finally:
+        await s.stop()
+    assert res.stop_reason == "max_tokens"
+    return list(res.output_token_ids)
+
+
+async def test_scheduler_request_stop_token_ids_end_the_turn(sched: Scheduler):
+    prompt = _prompt(30, 12)
+    free = await _generate(sched, token_ids=prompt, max_tokens=20, ignore_eos=True)
+    at, stop_id = _new_token_at(list(free.output_token_ids), 3)
+    # NOTE: a request's stop ids end the turn even with ignore_eos (which is about EOS).
+    got = await _generate(
+        sched, token_ids=prompt, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_id]
+    )
+    assert got.stop_reason == "end_turn"
+    assert got.output_token_ids == free.output_token_ids[: at + 1]
+    with pytest.raises(InvalidRequestError, match=r"stop_token_ids\.1: 99999 is not a token id"):
+        sched.submit(GenerateRequest(token_ids=prompt, stop_token_ids=[stop_id, 99999]))
+    _assert_clean(sched)

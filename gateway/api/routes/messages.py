@@ -15,7 +15,15 @@ from ...accounting import bill, charge_of
 from ...contract import toolcalls
 from ...dispatch import generate, open_watched, pick
 from ...errors import envelope, not_found
-from ...pipeline import Prepared, ReportLimits, buckets_of, plan_cache, prepare, usage_of
+from ...pipeline import (
+    Prepared,
+    ReportLimits,
+    buckets_of,
+    plan_cache,
+    prepare,
+    render_prompt,
+    usage_of,
+)
 from ...schemas.messages import (
     CountTokensRequest,
     CountTokensResponse,
@@ -123,7 +131,7 @@ async def _complete(
     if result is None:
         return _client_gone(state, rid, f"after {gen.output_tokens} output tokens")
     headers = {SCOPE_HEADER: prepared.plan.scope, REPLICA_HEADER: gen.replica}
-    content, stop_reason, stop_sequence = _answer(body, result)
+    content, stop_reason, stop_sequence = _answer(body, result, prepared.forcing)
     msg = MessageResponse(
         id=f"msg_{rid.removeprefix('req_')}",
         content=content,
@@ -172,20 +180,25 @@ async def _stream(
     return streaming.respond(job)
 
 
-def _answer(body: MessagesRequest, result: dict[str, Any]) -> tuple[list[Any], Any, Any]:
+def _answer(
+    body: MessagesRequest, result: dict[str, Any], forced: toolcalls.Forcing
+) -> tuple[list[Any], Any, Any]:
     """The replica's text as content blocks, its tool calls as ``tool_use`` blocks."""
+    text, stop_reason, stop_sequence = forced.settle(
+        result["text"], result["stop_reason"], result.get("stop_sequence")
+    )
     names = toolcalls.offered(body)
     if names is None:
-        return [TextOut(text=result["text"])], result["stop_reason"], result.get("stop_sequence")
+        return [TextOut(text=text)], stop_reason, stop_sequence
     content = [
         ToolUseOut(id=p.id, name=p.name, input=p.input)
         if isinstance(p, toolcalls.ToolCall)
         else TextOut(text=p.text)
-        for p in toolcalls.split(result["text"], names)
+        for p in toolcalls.split(text, names)
     ]
     if any(isinstance(block, ToolUseOut) for block in content):
         return content, "tool_use", None
-    return content, result["stop_reason"], result.get("stop_sequence")
+    return content, stop_reason, stop_sequence
 
 
 def _client_gone(state: GatewayState, rid: str, when: str) -> JSONResponse:
@@ -200,6 +213,6 @@ async def count_tokens(
 ) -> CountTokensResponse:
     requestlog.note_request(ctx, body.model, False)
     _check_model(state, body.model)
-    rendered = state.renderer.render(body)
+    rendered, _ = render_prompt(body, state.renderer)
     plan_cache(rendered, body, ctx, betas, state.settings)  # the same contract errors
     return CountTokensResponse(input_tokens=len(rendered))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from ...errors import not_found
+from ...profiles import profile_of
 from ...schemas.messages import ModelInfo, ModelList
 from ...state import GatewayState
 from ..deps import CallerDep, StateDep
@@ -15,10 +16,10 @@ _CREATED = "2026-11-01T00:00:00Z"
 
 
 def _info(state: GatewayState, model: str) -> ModelInfo:
-    # NOTE: one gateway renders for one checkpoint, so every model id shares its window
-    # (the checkpoint's context length, or --max-context-tokens); as Anthropic's
-    # ModelInfo has them, max_input_tokens is the window and max_tokens the output cap.
-    window = state.settings.max_context_tokens
+    # NOTE: each model id has its own window (its profile's context_window, else the
+    # checkpoint's context length); as Anthropic's ModelInfo has them,
+    # max_input_tokens is the window and max_tokens the output cap.
+    window = profile_of(state.settings, model).context_window
     return ModelInfo(
         id=model,
         display_name=model,

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import torch
 from fastapi import FastAPI
 
 from cachepoint.engine import Engine, EngineConfig, ModelConfig
+from cachepoint.engine.device import resolve_device, resolve_dtype
 from cachepoint.telemetry import Telemetry, configure, instrument_server
+from cachepoint.tokenizer import Tokenizer
 
 from .. import watchdog
 from ..bus import NatsBus
 from ..metrics import ReplicaMetrics
+from ..random_model import RANDOM_CONTEXT, load_random_tokenizer, random_context
 from ..requestlog import LOGGER, RequestLog
 from ..scheduler import EventSink, Scheduler
 from ..sequence import SequenceState
@@ -37,17 +41,35 @@ def build_engine(settings: ReplicaSettings) -> Engine:
         max_num_batched_tokens=settings.max_num_batched_tokens,
         tensor_parallel_size=settings.tensor_parallel_size,
     )
-    model_dir = Path(settings.model_dir) if settings.model_dir else None
-    model = None if model_dir else PRESETS[settings.model_preset]()
-    return Engine(model, config=config, model_dir=model_dir, seed=settings.seed)
+    if settings.model_dir is not None:
+        return Engine(config=config, model_dir=Path(settings.model_dir), seed=settings.seed)
+    tokenizer = load_random_tokenizer(settings.tokenizer_path)
+    model = random_model(settings.model_preset, tokenizer)
+    if config.max_model_len is None and resolve_device(config.device).type == "cpu":
+        dtype = str(resolve_dtype(config.dtype, torch.device("cpu"))).removeprefix("torch.")
+        per_token = model.kv_bytes_per_token(dtype, config.tensor_parallel_size)
+        config.max_model_len = random_context(
+            model.max_position_embeddings, per_token, config.kv_cache_bytes, config.block_size
+        )
+    return Engine(model, config=config, seed=settings.seed, tokenizer=tokenizer)
+
+
+def random_model(preset: str, tokenizer: Tokenizer) -> ModelConfig:
+    """A random preset shaped for ``tokenizer``: its vocabulary, BOS and EOS."""
+    return PRESETS[preset](
+        vocab_size=tokenizer.vocab_size,
+        bos_token_id=tokenizer.bos_id,
+        eos_token_id=tokenizer.eos_id,
+        max_position_embeddings=RANDOM_CONTEXT,
+    )
 
 
 # NOTE: "small" makes prefill cost visible on a CPU (benchmarks, demos) while still
-# starting in seconds; "tiny" keeps tests fast.
-PRESETS = {
+# starting in seconds; "tiny" keeps tests fast. Both take RANDOM_CONTEXT positions.
+PRESETS: dict[str, Callable[..., ModelConfig]] = {
     "tiny": ModelConfig.tiny,
-    "small": lambda: ModelConfig.tiny(
-        num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4, intermediate_size=768
+    "small": lambda **kw: ModelConfig.tiny(
+        num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4, intermediate_size=768, **kw
     ),
 }
 
@@ -112,6 +134,8 @@ def create_app(
                     "blocks": scheduler.pool.num_blocks,
                     "block_size": scheduler.block_size,
                     "max_model_len": scheduler.max_model_len,
+                    "vocab_size": eng.vocab_size,
+                    "tokenizer": settings.tokenizer if eng.model_dir is None else "checkpoint",
                     "device": str(eng.device),
                     "nats": bus is not None,
                 }

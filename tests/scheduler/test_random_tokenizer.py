@@ -1,0 +1,163 @@
+"""The random model's tokenizer option and long context (issue 13): the tiny replica
+speaks SmolLM2's BPE ids, takes prompts of tens of thousands of real tokens, and the
+byte tokenizer stays available."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from pydantic import ValidationError
+
+from cachepoint.scheduler.api.app import create_app
+from cachepoint.scheduler.model_source import preset_path
+from cachepoint.scheduler.random_model import RANDOM_CONTEXT, random_context
+from cachepoint.scheduler.settings import ReplicaSettings
+from cachepoint.tokenizer import BYTE_VOCAB_SIZE, load_tokenizer
+
+CMD = [sys.executable, "-m", "cachepoint.scheduler.cli"]
+SMOLLM2 = preset_path("smollm2")
+
+
+def long_text(words: int) -> str:
+    """Varied English-like prose: BPE merges it into a few bytes per token."""
+    vocab = [
+        "cache",
+        "prefix",
+        "token",
+        "replica",
+        "gateway",
+        "block",
+        "model",
+        "prompt",
+        "agent",
+        "tool",
+    ]
+    return " ".join(f"{vocab[i % len(vocab)]}{i % 97}" for i in range(words))
+
+
+def test_tokenizer_setting_resolves_names_and_paths(tmp_path: Path) -> None:
+    assert ReplicaSettings().tokenizer == "bytes" and ReplicaSettings().tokenizer_path is None
+    assert ReplicaSettings(tokenizer="smollm2").tokenizer_path == SMOLLM2
+    assert ReplicaSettings(tokenizer=str(SMOLLM2)).tokenizer_path == SMOLLM2
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert ReplicaSettings(tokenizer=str(tmp_path)).tokenizer_path == tmp_path
+
+
+def test_bad_tokenizer_values_are_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match=r"is none of bytes, smollm2, a \.gguf file"):
+        ReplicaSettings(tokenizer="gpt5")
+    with pytest.raises(ValidationError, match=r"missing\.gguf is not a file"):
+        ReplicaSettings(tokenizer=str(tmp_path / "missing.gguf"))
+    with pytest.raises(ValidationError, match=r"has no tokenizer\.json"):
+        ReplicaSettings(tokenizer=str(tmp_path))
+    with pytest.raises(ValidationError, match=r"random model only"):
+        ReplicaSettings(model="smollm2", tokenizer="smollm2")
+
+
+def test_random_context_shrinks_to_what_the_budget_holds() -> None:
+    # The tiny model: 2 layers x 2 KV heads x 16 dims x K and V x float32 = 512 B/token.
+    assert random_context(RANDOM_CONTEXT, 512, 256 * 2**20, 16) == RANDOM_CONTEXT
+    assert random_context(RANDOM_CONTEXT, 512, 128 * 2**20, 16) == RANDOM_CONTEXT
+    assert random_context(RANDOM_CONTEXT, 512, 16 * 2**20, 16) == 32768
+    assert random_context(RANDOM_CONTEXT, 512, 16 * 2**20 + 100, 16) == 32768  # whole blocks
+
+
+def test_bpe_tiny_replica_serves_a_20k_token_prompt(serve) -> None:
+    tok = load_tokenizer(SMOLLM2)
+    text = long_text(7000)
+    ids = tok.encode(text)
+    # Real BPE tokens: well past the old 8,192 positions, and far fewer than the bytes.
+    assert 20_000 <= len(ids) < len(text.encode()) // 2
+    settings = ReplicaSettings(
+        name="r-bpe", tokenizer="smollm2", device="cpu", max_num_batched_tokens=4096
+    )
+    app = create_app(settings)
+    url = serve(app)
+    engine = app.state.scheduler.engine
+    assert engine.vocab_size == 49_152 == tok.vocab_size
+    assert engine.tokenizer.encode(text) == ids
+    assert engine.eos_ids == {tok.eos_id} == {2}  # not the byte tokenizer's 257
+    assert engine.max_model_len == RANDOM_CONTEXT
+    # The default 256 MiB budget: the pool is the budget, not sized by the context.
+    assert engine.kv_pool_bytes == 256 * 2**20
+    t0 = time.monotonic()
+    r = httpx.post(
+        f"{url}/v1/generate",
+        json={"token_ids": ids, "max_tokens": 2, "ignore_eos": True},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["output_tokens"] == 2
+    assert all(0 <= t < 49_152 for t in r.json()["output_token_ids"])
+    assert time.monotonic() - t0 < 60
+    stats = httpx.get(f"{url}/v1/stats").json()
+    assert stats["query_tokens"] == len(ids)
+    assert stats["max_model_len"] == RANDOM_CONTEXT
+    # The whole vocabulary is servable, and nothing past it.
+    top = httpx.post(f"{url}/v1/generate", json={"token_ids": [1, 49_151], "max_tokens": 1})
+    assert top.status_code == 200, top.text
+    past = httpx.post(f"{url}/v1/generate", json={"token_ids": [1, 49_152], "max_tokens": 1})
+    assert past.status_code == 400 and "(0..49151)" in past.text
+
+
+def test_byte_tokenizer_still_works_with_the_long_context(serve) -> None:
+    settings = ReplicaSettings(name="r-bytes", device="cpu", kv_cache_bytes=16 * 2**20)
+    app = create_app(settings)
+    url = serve(app)
+    engine = app.state.scheduler.engine
+    assert engine.vocab_size == BYTE_VOCAB_SIZE
+    assert engine.eos_ids == {257}
+    # A 16 MiB budget holds 32,768 of the tiny model's tokens: the context shrinks to
+    # that instead of refusing to start.
+    assert engine.max_model_len == 32_768
+    prompt = list(b"x" * 9000)  # past the old 8,192 positions
+    r = httpx.post(f"{url}/v1/generate", json={"token_ids": prompt, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    past = httpx.post(f"{url}/v1/generate", json={"token_ids": [300], "max_tokens": 1})
+    assert past.status_code == 400 and f"(0..{BYTE_VOCAB_SIZE - 1})" in past.text
+
+
+def test_cli_explains_and_checks_the_tokenizer_flag(tmp_path: Path) -> None:
+    out = subprocess.run([*CMD, "--help"], capture_output=True, text=True, check=True).stdout
+    assert "--tokenizer" in out and "262,144 positions" in out and "49,152 ids" in out
+    bad = [
+        (["--tokenizer", str(tmp_path / "nope")], "is none of bytes, smollm2"),
+        (["--model", "smollm2", "--tokenizer", "smollm2"], "random model only"),
+    ]
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"not a gguf file at all")
+    bad.append((["--tokenizer", str(broken)], f"--tokenizer {broken}: "))
+    for flags, message in bad:
+        r = subprocess.run([*CMD, *flags], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, (flags, r.stderr)
+        assert message in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+
+
+def test_cli_replica_with_bpe_tokenizer_logs_its_vocab(free_port) -> None:
+    from .conftest import wait_ready
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [*CMD, "--port", str(port), "--tokenizer", "smollm2", "--device", "cpu"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc, timeout=120)
+        stats = httpx.get(f"{url}/v1/stats").json()
+        assert stats["model"] == "cachepoint-tiny" and stats["max_model_len"] == RANDOM_CONTEXT
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    started = next(line for line in out.splitlines() if '"replica_started"' in line)
+    assert '"vocab_size":49152' in started and '"tokenizer":"smollm2"' in started
