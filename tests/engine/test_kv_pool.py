@@ -69,3 +69,26 @@ def test_kv_pool_write_then_gather_round_trips() -> None:
     assert torch.equal(got_v, v)
     assert torch.equal(pool.key(1)[1, 2], k[6])  # position 6 = block table[1], slot 2
     assert pool.key(0).abs().sum() == 0  # other layers untouched
+
+
+def test_kv_pool_gather_blocks_gives_attentions_layout() -> None:
+    """Whole blocks, head-major: [Hkv, nb*B, D] for one table, [batch, Hkv, nb*B, D]
+    for several; position p of a table is row p, whatever block holds it."""
+    shape = KVPoolShape(2, 8, 4, 2, 3, torch.float32)
+    pool = KVPool(shape, torch.device("cpu"))
+    tables = [[6, 1, 3], [2, 0, 7]]
+    ks = [torch.randn(12, 2, 3) for _ in tables]
+    vs = [torch.randn(12, 2, 3) for _ in tables]
+    for table, k, v in zip(tables, ks, vs, strict=True):
+        pool.write(0, slot_mapping(torch.tensor(table), 0, 12, 4), k, v)
+    k1, v1 = pool.gather_blocks(0, torch.tensor(tables[0]))
+    assert k1.shape == (2, 12, 3)
+    assert torch.equal(k1, ks[0].transpose(0, 1)) and torch.equal(v1, vs[0].transpose(0, 1))
+    kb, vb = pool.gather_blocks(0, torch.tensor(tables))
+    assert kb.shape == (2, 2, 12, 3)
+    for i in range(2):
+        assert torch.equal(kb[i], ks[i].transpose(0, 1))
+        assert torch.equal(vb[i], vs[i].transpose(0, 1))
+    # A slice of a block's positions is the same as the token-by-token gather.
+    got_k, _ = pool.read_positions(0, tables[1], 7)
+    assert torch.equal(got_k, ks[1][:7])
