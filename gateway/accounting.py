@@ -2,25 +2,70 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
+
 import anyio
 from opentelemetry import trace
 from opentelemetry.trace import Span
 from starlette.concurrency import run_in_threadpool
 
 from .contract.billing import Buckets
-from .ledger import Charge
+from .ledger import Attribution, Charge
 from .pipeline import Prepared
 from .schemas.messages import MessagesRequest
 from .state import GatewayState
 from .tenants import KeyContext
 from .tracing import usage_attributes
 
+log = logging.getLogger(__name__)
+
+SESSION_HEADER = "x-claude-code-session-id"
+MAX_SESSION_ID = 128  # the ledger column's width
+MAX_USER_ID = 512  # the ledger column's width
+
+
+def attribution_of(
+    rid: str, headers: Mapping[str, str], req: MessagesRequest, requested: str
+) -> Attribution:
+    """The session (Claude Code's header), the user (``metadata.user_id``) and the
+    client's model name when an alias resolved it, for the ledger row.
+
+    NOTE: a malformed session header is dropped with a log line, never a 400: it is a
+    billing label, and refusing the request over it would break the client's session.
+    """
+    session = headers.get(SESSION_HEADER)
+    if session is not None:
+        session = session.strip()
+        if not session or len(session) > MAX_SESSION_ID or not session.isprintable():
+            log.info(
+                "request %s: %s ignored (empty, over %d chars, or not printable)",
+                rid,
+                SESSION_HEADER,
+                MAX_SESSION_ID,
+            )
+            session = None
+    user = req.metadata.user_id if req.metadata is not None else None
+    return Attribution(
+        session_id=session,
+        user_id=user[:MAX_USER_ID] if user else None,
+        requested_model=requested if requested != req.model else None,
+    )
+
 
 def charge_of(
     rid: str, ctx: KeyContext, req: MessagesRequest, replica: str, p: Prepared, b: Buckets
 ) -> Charge:
     return Charge(
-        rid, ctx.org_id, ctx.workspace_id, ctx.key_id, req.model, replica, p.plan.scope, b
+        rid,
+        ctx.org_id,
+        ctx.workspace_id,
+        ctx.key_id,
+        req.model,
+        replica,
+        p.plan.scope,
+        b,
+        p.who,
     )
 
 

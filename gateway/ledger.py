@@ -20,15 +20,28 @@ _INSERT = insert(UsageRecord)
 
 
 @dataclass(frozen=True, slots=True)
+class Attribution:
+    """Who and what a charge belongs to beyond the key: for per-session reports."""
+
+    session_id: str | None = None  # X-Claude-Code-Session-Id, when well formed
+    user_id: str | None = None  # metadata.user_id as sent (Claude Code: a JSON string)
+    requested_model: str | None = None  # the client's model name when an alias resolved it
+
+
+NO_ATTRIBUTION = Attribution()
+
+
+@dataclass(frozen=True, slots=True)
 class Charge:
     request_id: str
     org_id: str
     workspace_id: str | None
     api_key_id: str
-    model: str
+    model: str  # the served model: what is priced
     replica: str
     scope: str
     buckets: Buckets
+    who: Attribution = NO_ATTRIBUTION  # session, user, requested name
 
 
 def price_for(session: Session, model: str, default: Price) -> Price:
@@ -88,4 +101,7 @@ def _row(charge: Charge, price: Price, now: datetime | None) -> dict[str, object
         "cost_micros": cost_micros(b, price),
         "created_at": now,
         "created_s": int(now.timestamp()),
+        "requested_model": charge.who.requested_model,
+        "session_id": charge.who.session_id,
+        "user_id": charge.who.user_id,
     }

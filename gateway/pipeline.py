@@ -14,8 +14,9 @@ from .contract.breakpoints import CachePlan, ContractError, resolve
 from .contract.render import RenderedPrompt, Renderer
 from .contract.toolcalls import NO_FORCING, Forcing, forcing
 from .errors import ApiError, invalid
+from .ledger import NO_ATTRIBUTION, Attribution
 from .profiles import profile_of
-from .schemas.messages import CacheCreation, MessagesRequest, Usage
+from .schemas.messages import CacheCreation, MessagesRequest, ThinkingEnabled, Usage
 from .settings import GatewaySettings
 from .tenants import KeyContext
 
@@ -26,6 +27,7 @@ class Prepared:
     plan: CachePlan  # breakpoints, key spans, scope
     payload: dict[str, Any]  # the replica's /v1/generate body
     forcing: Forcing = NO_FORCING  # the answer's forced opening (tool_choice any/tool)
+    who: Attribution = NO_ATTRIBUTION  # session, user and requested model, for the ledger
 
 
 def tenant_key(ctx: KeyContext, settings: GatewaySettings) -> str:
@@ -69,8 +71,40 @@ def render_prompt(req: Any, renderer: Renderer) -> tuple[RenderedPrompt, Forcing
         # part of a cached prefix; encoded on its own, like every segment.
         tokens = rendered.tokens[:]
         tokens.extend(renderer.tokenizer.encode(forced.prefix))
-        rendered = RenderedPrompt(tokens, rendered.blocks)
+        rendered = RenderedPrompt(tokens, rendered.blocks, rendered.applied_edits)
     return rendered, forced
+
+
+# NOTE: with interleaved thinking the budget spans every thinking block of the turn,
+# so Anthropic lets it exceed max_tokens.
+INTERLEAVED_BETA = "interleaved-thinking-2025-05-14"
+
+
+def check_thinking(req: MessagesRequest, betas: set[str]) -> None:
+    """Anthropic's rule for manual thinking (the shape is the schema's)."""
+    thinking = req.thinking
+    if not isinstance(thinking, ThinkingEnabled) or INTERLEAVED_BETA in betas:
+        return
+    if thinking.budget_tokens >= req.max_tokens:
+        raise invalid(
+            "`max_tokens` must be greater than `thinking.budget_tokens`. Please consult "
+            "our documentation at https://docs.claude.com/en/docs/build-with-claude/"
+            "extended-thinking#max-tokens-and-context-window-size"
+        )
+
+
+def output_room(prompt_tokens: int, max_tokens: int, window: int, clamp: bool) -> int:
+    """The max_tokens sent to the replica: as asked, or (``clamp``) lowered to what the
+    window leaves. NOTE: Anthropic's exact wording, which Claude Code parses to retry
+    with a smaller max_tokens; a prompt that fills the window alone fails either way."""
+    if prompt_tokens + max_tokens <= window:
+        return max_tokens
+    if clamp and prompt_tokens < window:
+        return window - prompt_tokens
+    raise invalid(
+        f"input length and `max_tokens` exceed context limit: {prompt_tokens} + "
+        f"{max_tokens} > {window}, decrease input length or `max_tokens` and try again"
+    )
 
 
 def prepare(
@@ -80,15 +114,13 @@ def prepare(
     settings: GatewaySettings,
     renderer: Renderer,
     request_id: str,
+    who: Attribution = NO_ATTRIBUTION,
 ) -> Prepared:
+    check_thinking(req, betas)
     rendered, forced = render_prompt(req, renderer)
     n = len(rendered)
     profile = profile_of(settings, req.model)
-    if n + req.max_tokens > profile.context_window:
-        raise invalid(
-            f"prompt is too long: {n} tokens + max_tokens {req.max_tokens} > "
-            f"{profile.context_window} maximum for model {req.model}"
-        )
+    max_tokens = output_room(n, req.max_tokens, profile.context_window, settings.clamp_max_tokens)
     plan = plan_cache(rendered, req, ctx, betas, settings)
     payload: dict[str, Any] = {
         "request_id": request_id,
@@ -103,7 +135,7 @@ def prepare(
             }
             for bp in plan.breakpoints
         ],
-        "max_tokens": req.max_tokens,
+        "max_tokens": max_tokens,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": req.top_p or 1.0,
         "top_k": req.top_k or 0,
@@ -114,7 +146,7 @@ def prepare(
         "retention_owner": f"org:{ctx.org_id}",
         "owner_retained_share": ctx.retained_share,
     }
-    return Prepared(rendered, plan, payload, forced)
+    return Prepared(rendered, plan, payload, forced, who)
 
 
 class UsageReportError(ApiError):

@@ -19,13 +19,16 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from .contract.billing import Price
+from .contract.billing import Buckets, Price, uncached_cost_micros
 from .db.models import UsageRecord
 
 WIDTHS = {"1m": 60, "1h": 3600, "1d": 86400}
 LIMITS = {"1m": (60, 1440), "1h": (24, 168), "1d": (7, 31)}  # (default, max) buckets a page
-USAGE_GROUPS = {"model", "api_key_id", "workspace_id"}
-COST_GROUPS = {"model", "api_key_id", "workspace_id", "description"}
+# NOTE: the first three are Anthropic's and every result names them (None when not
+# grouped); session_id and user_id are ours and appear only when grouped by.
+ANTHROPIC_GROUPS = ("model", "api_key_id", "workspace_id")
+USAGE_GROUPS = {*ANTHROPIC_GROUPS, "session_id", "user_id"}
+COST_GROUPS = {*USAGE_GROUPS, "description"}
 TOKEN_FIELDS = (
     "input_tokens",
     "cache_read_input_tokens",
@@ -50,6 +53,8 @@ class ReportQuery:
     models: tuple[str, ...] = ()
     api_key_ids: tuple[str, ...] = ()
     workspace_ids: tuple[str, ...] = ()
+    session_ids: tuple[str, ...] = ()  # X-Claude-Code-Session-Id values
+    user_ids: tuple[str, ...] = ()  # metadata.user_id values, as sent
 
 
 def _parse_time(name: str, value: str) -> datetime:
@@ -85,7 +90,7 @@ def parse_query(
     for k, v in params:
         multi[k.removesuffix("[]")].append(v)
     known = {"starting_at", "ending_at", "bucket_width", "group_by", "limit", "page"}
-    known |= {"models", "api_key_ids", "workspace_ids"}
+    known |= {"models", "api_key_ids", "workspace_ids", "session_ids", "user_ids"}
     unknown = sorted(set(multi) - known)
     if unknown:
         raise ReportError(f"{unknown[0]}: unknown parameter")
@@ -125,6 +130,8 @@ def parse_query(
         models=tuple(multi.get("models", [])),
         api_key_ids=tuple(multi.get("api_key_ids", [])),
         workspace_ids=tuple(multi.get("workspace_ids", [])),
+        session_ids=tuple(multi.get("session_ids", [])),
+        user_ids=tuple(multi.get("user_ids", [])),
     )
 
 
@@ -157,6 +164,10 @@ def _rows(session: Session, q: ReportQuery, starts: list[datetime], groups: tupl
         stmt = stmt.where(UsageRecord.api_key_id.in_(q.api_key_ids))
     if q.workspace_ids:
         stmt = stmt.where(UsageRecord.workspace_id.in_(q.workspace_ids))
+    if q.session_ids:
+        stmt = stmt.where(UsageRecord.session_id.in_(q.session_ids))
+    if q.user_ids:
+        stmt = stmt.where(UsageRecord.user_id.in_(q.user_ids))
     stmt = stmt.group_by(bucket, *cols).order_by(bucket, *cols)
     return session.execute(stmt).all()
 
@@ -185,7 +196,7 @@ def usage_report(session: Session, q: ReportQuery) -> dict[str, Any]:
     if starts:
         for row in _rows(session, q, starts, q.group_by):
             m = row._mapping
-            item: dict[str, Any] = {g: None for g in USAGE_GROUPS}
+            item: dict[str, Any] = {g: None for g in ANTHROPIC_GROUPS}
             item.update({g: m[g] for g in q.group_by})
             item.update(
                 uncached_input_tokens=int(m["input_tokens"]),
@@ -256,3 +267,57 @@ def cost_report(session: Session, q: ReportQuery, price_of: Any) -> dict[str, An
                     }
                 )
     return _page(q, starts, has_more, results)
+
+
+@dataclass(slots=True)
+class SpendRow:
+    """One group's tokens and money over one bucket (or the whole window)."""
+
+    starting_at: str  # the bucket's start (the first bucket's, for a window total)
+    group: dict[str, Any]  # group-by column -> value
+    tokens: dict[str, int]  # TOKEN_FIELDS -> sum
+    cost_micros: int  # what the ledger billed: its per-request costs summed
+    uncached_micros: int  # the same tokens with no caching, at today's prices
+
+    @property
+    def saved_micros(self) -> int:
+        """What the cache saved: cost without caching minus cost."""
+        return self.uncached_micros - self.cost_micros
+
+
+def spend(session: Session, q: ReportQuery, price_of: Any, total: bool = False) -> list[SpendRow]:
+    """Per bucket (or, with ``total``, per whole window) and group: the four buckets,
+    the billed cost and what it would have cost uncached. ``price_of(model) -> Price``.
+
+    NOTE: the uncached figure prices each model's summed tokens at report time; the
+    cost is the ledger's own. A price changed inside the window skews the saving by
+    the change, never the cost."""
+    starts, _ = _buckets(q)
+    if not starts:
+        return []
+    groups = q.group_by
+    rows = _rows(session, q, starts, (*groups, *(() if "model" in groups else ("model",))))
+    first = _iso(starts[0])
+    out: dict[tuple[Any, ...], SpendRow] = {}
+    for row in rows:
+        m = row._mapping
+        start = first if total else _iso(datetime.fromtimestamp(int(m["bucket"]), UTC))
+        key = (start, *(m[g] for g in groups))
+        tokens = {f: int(m[f]) for f in TOKEN_FIELDS}
+        b = Buckets(*(tokens[f] for f in TOKEN_FIELDS))
+        uncached = uncached_cost_micros(b, price_of(m["model"]))
+        got = out.get(key)
+        if got is None:
+            out[key] = SpendRow(start, {g: m[g] for g in groups}, tokens, 0, 0)
+            got = out[key]
+        else:
+            for f in TOKEN_FIELDS:
+                got.tokens[f] += tokens[f]
+        got.cost_micros += int(m["cost_micros"])
+        got.uncached_micros += uncached
+    return list(out.values())
+
+
+def usd(micros: int) -> str:
+    """Micro-dollars as dollars, to the micro-dollar."""
+    return f"{Decimal(micros) / 1_000_000:.6f}"

@@ -12,9 +12,12 @@ from cachepoint.events.subjects import check_replica_name
 from cachepoint.routing import DEFAULT_POLICY
 from cachepoint.serve import shared_env
 
+from .aliases import check_alias, check_target
+
 DEFAULT_DB = "sqlite:///.cachepoint/cachepoint.db"
 
-# Betas this gateway understands; any other value in `anthropic-beta` is a 400.
+# Betas this gateway understands. Others are accepted and named in the
+# cachepoint-ignored-betas response header, or a 400 with `strict_betas`.
 KNOWN_BETAS = [
     "prompt-caching-2024-07-31",
     "prompt-caching-scope-2026-01-05",
@@ -27,6 +30,28 @@ KNOWN_BETAS = [
     "interleaved-thinking-2025-05-14",
     "context-1m-2025-08-07",
     "fine-grained-tool-streaming-2025-05-14",
+]
+
+# NOTE: beta families Anthropic defines that change nothing on this gateway: Claude Code
+# and the SDKs send them on every request. FAMILY-DATE of any date is accepted
+# and not reported; the date is required so that `prompt-caching` does not swallow the
+# scope beta (`prompt-caching-scope-…`), whose meaning stays with `known_betas`.
+NOOP_BETA_FAMILIES = [
+    "claude-code",
+    "context-management",
+    "thinking-token-count",
+    "advanced-tool-use",
+    "tool-search-tool",
+    "interleaved-thinking",
+    "effort",
+    "fine-grained-tool-streaming",
+    "token-efficient-tools",
+    "prompt-caching",
+    "extended-cache-ttl",
+    "token-counting",
+    "output-128k",
+    "messages",
+    "tools",
 ]
 
 
@@ -138,6 +163,24 @@ class GatewaySettings(BaseSettings):
         ),
     )
 
+    model_aliases: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "client model name -> served model id, so clients that send their own names "
+            "(Claude Code: claude-sonnet-4-5) work unchanged; a name may end in one '*' "
+            "(prefix), '*' alone is the default; exact beats longest prefix beats '*'. "
+            "JSON in CACHEPOINT_GATEWAY_MODEL_ALIASES; `cachepoint-admin models alias` "
+            "entries override it"
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _aliases(self) -> GatewaySettings:
+        for name, target in self.model_aliases.items():
+            check_alias(name)
+            check_target(target)
+        return self
+
     @model_validator(mode="after")
     def _profiles(self) -> GatewaySettings:
         unknown = sorted(set(self.model_profiles) - set(self.models))
@@ -150,6 +193,24 @@ class GatewaySettings(BaseSettings):
 
     tenant_scope: str = Field("org", pattern="^(org|workspace)$", description="cache tenant key")
     known_betas: list[str] = Field(default_factory=lambda: list(KNOWN_BETAS))
+    noop_beta_families: list[str] = Field(
+        default_factory=lambda: list(NOOP_BETA_FAMILIES),
+        description="betas FAMILY-YYYY-MM-DD (or YYYYMMDD) accepted as no-ops, not reported",
+    )
+    strict_betas: bool = Field(
+        False,
+        description=(
+            "400 on a beta neither known nor in a no-op family; off = accept it and "
+            "name it in the cachepoint-ignored-betas response header"
+        ),
+    )
+    clamp_max_tokens: bool = Field(
+        False,
+        description=(
+            "lower max_tokens to the room the context window leaves instead of a 400; "
+            "a prompt that fills the window alone is still a 400"
+        ),
+    )
     cache_key_betas: list[str] = Field(
         default_factory=lambda: ["context-1m-2025-08-07", "interleaved-thinking-2025-05-14"],
         description="betas that change the KV or the cache key",

@@ -16,6 +16,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from .accounting import bill, charge_of
+from .contract.context_edits import report
 from .contract.toolcalls import Part, TextPart, ToolCallParser, offered
 from .dispatch import Opened, error_of, reject_report, stream_broke
 from .errors import ApiError, envelope
@@ -228,20 +229,19 @@ async def _relay(job: StreamJob) -> AsyncIterator[bytes]:
         # NOTE: recorded before they leave: once the full charge is written, the key
         # keeps this whole stream, so a retry replays it even if this client hangs up
         # before these last events reach it, and is not generated or billed again.
+        delta: dict[str, Any] = {
+            "type": "message_delta",
+            "delta": {
+                "stop_reason": "tool_use" if blocks.tool_uses else stop_reason,
+                "stop_sequence": None if blocks.tool_uses else stop_sequence,
+            },
+            "usage": usage,
+        }
+        edits = report(job.prepared.rendered.applied_edits)
+        if edits is not None:  # Anthropic: in the final message_delta, when asked for
+            delta["context_management"] = edits
         closing = [
-            out(
-                sse(
-                    "message_delta",
-                    {
-                        "type": "message_delta",
-                        "delta": {
-                            "stop_reason": "tool_use" if blocks.tool_uses else stop_reason,
-                            "stop_sequence": None if blocks.tool_uses else stop_sequence,
-                        },
-                        "usage": usage,
-                    },
-                )
-            ),
+            out(sse("message_delta", delta)),
             out(sse("message_stop", {"type": "message_stop"})),
         ]
         progress.charged = True

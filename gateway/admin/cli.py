@@ -1,4 +1,5 @@
-"""`cachepoint-admin`: orgs, workspaces, keys, scope policy, prices and usage tables.
+"""`cachepoint-admin`: orgs, workspaces, keys, scope policy, prices, model aliases and
+usage tables.
 
 Every command takes ``--db URL`` (default: the embedded stack's SQLite file) and
 migrates that database first, so it works on a fresh one.
@@ -22,11 +23,23 @@ from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
+from .. import aliases
+from ..contract.billing import Price
 from ..db.migrate import upgrade
-from ..db.models import ApiKey, ModelPrice, Workspace
+from ..db.models import ApiKey, ModelAlias, ModelPrice, Workspace
 from ..db.session import make_engine, make_sessionmaker
-from ..reports import LIMITS, USAGE_GROUPS, WIDTHS, ReportError, parse_query, usage_report
-from ..settings import DEFAULT_DB
+from ..ledger import price_for
+from ..reports import (
+    LIMITS,
+    TOKEN_FIELDS,
+    USAGE_GROUPS,
+    WIDTHS,
+    ReportError,
+    parse_query,
+    spend,
+    usd,
+)
+from ..settings import DEFAULT_DB, GatewaySettings
 from ..tenants import (
     TenantError,
     create_key,
@@ -233,6 +246,57 @@ def cmd_prices_list(s: Session, a: argparse.Namespace) -> None:
     out.print(t)
 
 
+def _gateway_settings() -> GatewaySettings | None:
+    """The gateway's settings as this environment gives them (aliases, default prices);
+    None when the environment does not make valid gateway settings."""
+    try:
+        return GatewaySettings()
+    except ValueError:
+        return None
+
+
+def cmd_models_alias(s: Session, a: argparse.Namespace) -> None:
+    try:
+        name, target = aliases.check_alias(a.alias), aliases.check_target(a.model)
+    except ValueError as exc:
+        raise TenantError(str(exc)) from None
+    row = s.get(ModelAlias, name) or ModelAlias(alias=name)
+    row.model = target
+    s.add(row)
+    s.commit()
+    out.print(
+        f"alias {name} -> {target}; gateways pick it up within auth_cache_seconds (5 s by default)"
+    )
+
+
+def cmd_models_unalias(s: Session, a: argparse.Namespace) -> None:
+    row = s.get(ModelAlias, a.alias)
+    if row is None:
+        gs = _gateway_settings()
+        where = (
+            " (it comes from the gateway's model_aliases setting: change it there)"
+            if gs is not None and a.alias in gs.model_aliases
+            else ""
+        )
+        raise TenantError(f"no alias {a.alias!r} in the database{where}")
+    s.delete(row)
+    s.commit()
+    out.print(f"removed alias {a.alias}")
+
+
+def cmd_models_list(s: Session, a: argparse.Namespace) -> None:
+    gs = _gateway_settings()
+    table = {k: (v, "settings") for k, v in (gs.model_aliases if gs else {}).items()}
+    table.update({k: (v, "database") for k, v in aliases.load(s).items()})
+    t = Table("alias", "served model", "kind", "source")
+    for name in sorted(table, key=lambda n: (n == "*", n.endswith("*"), n)):
+        kind = "default" if name == "*" else "prefix" if name.endswith("*") else "name"
+        t.add_row(name, table[name][0], kind, table[name][1])
+    out.print(t)
+    if gs is not None:
+        out.print(f"served models (gateway settings): {', '.join(gs.models)}")
+
+
 def _since(text: str) -> str:
     """'7d', '24h', '30m' ago, or an RFC 3339 timestamp."""
     units = {"d": "days", "h": "hours", "m": "minutes"}
@@ -258,36 +322,49 @@ def cmd_usage(s: Session, a: argparse.Namespace) -> None:
     params = [("starting_at", since), ("bucket_width", a.bucket)]
     params += [("limit", str(limit))] if limit else []
     params += [("ending_at", a.until)] if a.until else []
-    params += [("group_by", g) for g in a.group_by or []]
+    groups = list(dict.fromkeys(_GROUP_NAMES.get(g, g) for g in a.group_by or []))
+    params += [("group_by", g) for g in groups]
+    params += [("session_ids", v) for v in a.session_id or []]
+    params += [("user_ids", v) for v in a.user_id or []]
     try:
         q = parse_query(org.id, params, USAGE_GROUPS, WIDTHS)
     except ReportError as exc:
         raise TenantError(str(exc)) from exc
-    report = usage_report(s, q)
+    gs = _gateway_settings()
+    default = Price(
+        gs.default_input_per_mtok if gs else _DEFAULTS["default_input_per_mtok"],
+        gs.default_output_per_mtok if gs else _DEFAULTS["default_output_per_mtok"],
+    )
+    prices: dict[str, Price] = {}
+
+    def price_of(model: str) -> Price:
+        if model not in prices:
+            prices[model] = price_for(s, model, default)
+        return prices[model]
+
     cols = [
         "starting_at",
-        *(a.group_by or []),
+        *groups,
         "uncached_input",
         "cache_read",
         "cache_write_5m",
         "cache_write_1h",
         "output",
+        "cost_usd",
+        "uncached_usd",
+        "saved_usd",
     ]
-    rows = []
-    for bucket in report["data"]:
-        for r in bucket["results"]:
-            cc = r["cache_creation"]
-            rows.append(
-                [
-                    bucket["starting_at"],
-                    *(str(r[g]) for g in a.group_by or []),
-                    r["uncached_input_tokens"],
-                    r["cache_read_input_tokens"],
-                    cc["ephemeral_5m_input_tokens"],
-                    cc["ephemeral_1h_input_tokens"],
-                    r["output_tokens"],
-                ]
-            )
+    rows = [
+        [
+            r.starting_at,
+            *(str(r.group[g]) for g in groups),
+            *(r.tokens[f] for f in TOKEN_FIELDS),
+            usd(r.cost_micros),
+            usd(r.uncached_micros),
+            usd(r.saved_micros),
+        ]
+        for r in spend(s, q, price_of, total=a.total)
+    ]
     if a.csv:
         w = csv.writer(sys.stdout)
         w.writerow(cols)
@@ -297,8 +374,17 @@ def cmd_usage(s: Session, a: argparse.Namespace) -> None:
     for row in rows:
         t.add_row(*(str(x) for x in row))
     out.print(t)
-    if report["has_more"]:
+    starts = (q.end - q.start).total_seconds() // WIDTHS[q.width]
+    if starts > q.limit:
         out.print("more buckets follow: narrow --since or raise --limit")
+
+
+# NOTE: the short names the usage command takes for the ledger's columns.
+_GROUP_NAMES = {"session": "session_id", "user": "user_id", "key": "api_key_id"}
+_DEFAULTS = {
+    name: GatewaySettings.model_fields[name].default
+    for name in ("default_input_per_mtok", "default_output_per_mtok")
+}
 
 
 # -------------------------------------------------------------------- parser
@@ -390,12 +476,50 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("file")
     command(prices, "list", cmd_prices_list, "list prices")
 
-    c = command(sub, "usage", cmd_usage, "print an org's usage by time bucket")
+    models = sub.add_parser("models", help="model aliases").add_subparsers(
+        dest="cmd", required=True
+    )
+    c = command(
+        models,
+        "alias",
+        cmd_models_alias,
+        "let clients name a served model by another name (e.g. Claude Code's claude-sonnet-4-5)",
+    )
+    c.epilog = (
+        "ALIAS may end in '*' (a prefix pattern, e.g. 'claude-*'); '*' alone is the "
+        "default for any name no served model or other alias matches. Exact beats the "
+        "longest prefix beats '*'. These override the gateway's model_aliases setting "
+        "for the same name, and gateways pick them up within auth_cache_seconds."
+    )
+    c.add_argument("alias", help="the name clients send, or a 'prefix*' / '*' pattern")
+    c.add_argument("model", help="the served model id it resolves to")
+    c = command(models, "unalias", cmd_models_unalias, "remove an alias from the database")
+    c.add_argument("alias")
+    command(models, "list", cmd_models_list, "list aliases (database and this env's settings)")
+
+    c = command(
+        sub,
+        "usage",
+        cmd_usage,
+        "print an org's usage by time bucket: the four buckets, cost and what the cache saved",
+    )
+    c.epilog = (
+        "What a developer's Claude Code session cost and what the cache saved: "
+        "cachepoint-admin usage --org ORG --session-id SESSION --total"
+    )
     c.add_argument("--org", required=True)
     c.add_argument("--since", default="7d", help="7d, 24h, 30m ago, or RFC 3339 (default 7d)")
     c.add_argument("--until", help="RFC 3339 end (default: now)")
     c.add_argument("--bucket", default="1d", choices=sorted(WIDTHS), help="bucket width")
-    c.add_argument("--group-by", action="append", choices=sorted(USAGE_GROUPS))
+    c.add_argument(
+        "--group-by",
+        action="append",
+        choices=sorted(USAGE_GROUPS | set(_GROUP_NAMES)),
+        help="repeatable; session = X-Claude-Code-Session-Id, user = metadata.user_id",
+    )
+    c.add_argument("--session-id", action="append", help="only these sessions (repeatable)")
+    c.add_argument("--user-id", action="append", help="only these metadata.user_id values")
+    c.add_argument("--total", action="store_true", help="one row per group for the whole window")
     c.add_argument("--limit", type=int, help="buckets to show")
     c.add_argument("--csv", action="store_true", help="CSV on stdout instead of a table")
     return p

@@ -11,10 +11,14 @@ from starlette.concurrency import run_in_threadpool
 from ..errors import forbidden, invalid, unauthenticated
 from ..state import GatewayState
 from ..tenants import KeyContext
+from .middleware import extra_headers
 
 # NOTE: any dated version is accepted: SDK releases move the header forward and this
 # gateway's wire behaviour does not branch on it; a malformed value is still a 400.
 API_VERSION = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+IGNORED_BETAS_HEADER = "cachepoint-ignored-betas"
+# NOTE: Anthropic dates betas as YYYY-MM-DD, except claude-code-20250219 (YYYYMMDD).
+DATED_BETA = re.compile(r"^([a-z0-9][a-z0-9-]*?)-(\d{4}-\d{2}-\d{2}|\d{8})$")
 
 
 # NOTE: every dependency here is async although none awaits: FastAPI runs a plain
@@ -69,6 +73,12 @@ MessageCallerDep = Annotated[KeyContext, Depends(message_caller)]
 AdminCallerDep = Annotated[KeyContext, Depends(admin_caller)]
 
 
+def _noop(beta: str, families: list[str]) -> bool:
+    """Whether ``beta`` is FAMILY-DATE for one of the no-op families."""
+    dated = DATED_BETA.match(beta)
+    return dated is not None and dated.group(1) in families
+
+
 async def get_betas(request: Request, state: StateDep) -> set[str]:
     version = request.headers.get("anthropic-version")
     if version is not None and not API_VERSION.match(version):
@@ -76,10 +86,18 @@ async def get_betas(request: Request, state: StateDep) -> set[str]:
     betas: set[str] = set()
     for header in request.headers.getlist("anthropic-beta"):
         betas.update(b.strip() for b in header.split(",") if b.strip())
-    known = set(state.settings.known_betas)
-    for beta in sorted(betas):
-        if beta not in known:
-            raise invalid(f"Unsupported beta header: {beta}")
+    settings = state.settings
+    known = set(settings.known_betas) | set(settings.cache_key_betas)
+    ignored = [
+        b for b in sorted(betas) if b not in known and not _noop(b, settings.noop_beta_families)
+    ]
+    if ignored and settings.strict_betas:
+        raise invalid(f"Unsupported beta header: {ignored[0]}")
+    if ignored:
+        # NOTE: accepted, as a newer client's betas must not fail its first request; the
+        # header (streams too: the middleware adds it to every response start) says
+        # which ones had no effect. They stay in the set: none is a cache-key beta.
+        extra_headers(request.scope).append((IGNORED_BETAS_HEADER, ",".join(ignored)))
     return betas
 
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from ..errors import invalid
 from ..schemas.messages import (
     CacheControl,
     ContentBlock,
@@ -23,11 +24,15 @@ from ..schemas.messages import (
     TextBlock,
     ThinkingBlock,
     Tool,
+    ToolReferenceBlock,
     ToolResultBlock,
     ToolUseBlock,
 )
+from . import context_edits
+from .deferred import expand_references, is_deferred
 
 if TYPE_CHECKING:
+    from .context_edits import AppliedEdit
     from .template import TemplateRenderer
 
 Section = Literal["tools", "system", "messages"]
@@ -72,6 +77,8 @@ class BlockSpan:
 class RenderedPrompt:
     tokens: array[int]  # int32 token ids, ready for kvcore hashing
     blocks: tuple[BlockSpan, ...]  # in render order
+    # context_management edits that changed the prompt; None: the request asked for none
+    applied_edits: tuple[AppliedEdit, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -107,7 +114,7 @@ def tool_result_body(block: ToolResultBlock) -> str:
     return "\n".join(block_text(c) for c in content)
 
 
-def block_text(block: ContentBlock) -> str:
+def block_text(block: ContentBlock | ToolReferenceBlock) -> str:
     """The canonical text of one content block (what its tokens encode)."""
     if isinstance(block, TextBlock):
         return block.text
@@ -122,11 +129,48 @@ def block_text(block: ContentBlock) -> str:
     if isinstance(block, ToolResultBlock):
         flag = " error" if block.is_error else ""
         return f"[tool_result id={block.tool_use_id}{flag}] {tool_result_body(block)}"
-    if isinstance(block, ThinkingBlock):
-        return f"[thinking] {block.thinking}"
-    if isinstance(block, RedactedThinkingBlock):
-        return f"[redacted_thinking sha256:{_digest(block.data)}]"
+    if isinstance(block, ThinkingBlock | RedactedThinkingBlock):
+        return ""  # never rendered (see ``rendered_block``)
+    if isinstance(block, ToolReferenceBlock):  # not expanded (deferred.py): its name
+        return f"[tool_reference {block.tool_name}]"
     raise TypeError(f"unknown content block {block!r}")
+
+
+def rendered_block(block: ContentBlock) -> bool:
+    """Whether a block reaches the prompt. NOTE: thinking never does: the models served
+    here have no reasoning mode, and a replayed block is another model's reasoning (or
+    empty, with ``display: omitted``). Dropped in every turn alike, it leaves a
+    zero-length span, so the prefix of turn n+1 is turn n's whatever thinking the
+    history carries, and ``clear_thinking`` edits change no token."""
+    return not isinstance(block, ThinkingBlock | RedactedThinkingBlock)
+
+
+DEGRADED_HEADER = "cachepoint-degraded"
+
+
+def degraded(request: RenderableRequest) -> tuple[str, ...]:
+    """What the prompt holds only as a placeholder (``images``, ``documents``), for the
+    ``cachepoint-degraded`` header. A text document (text or content source) is
+    rendered in full and is not degraded. NOTE: a placeholder rather than a 400, since
+    a history block that fails would fail every later turn of the conversation."""
+    images = documents = False
+    for msg in request.messages:
+        if isinstance(msg.content, str):
+            continue
+        for block in msg.content:
+            inner = block.content if isinstance(block, ToolResultBlock) else None
+            for b in [block, *(inner if isinstance(inner, list) else ())]:
+                images = images or isinstance(b, ImageBlock)
+                documents = documents or (
+                    isinstance(b, DocumentBlock) and b.source.type in ("base64", "url")
+                )
+    return tuple(kind for kind, hit in (("images", images), ("documents", documents)) if hit)
+
+
+def degraded_headers(request: RenderableRequest) -> dict[str, str]:
+    """``{"cachepoint-degraded": "images,documents"}`` (what was degraded), or {}."""
+    kinds = degraded(request)
+    return {DEGRADED_HEADER: ",".join(kinds)} if kinds else {}
 
 
 def _cacheable(block: ContentBlock) -> bool:
@@ -161,6 +205,21 @@ class Renderer:
         return self.tokenizer.encode("\n" if name == "sep" else f"\n<{name}>\n")
 
     def render(self, request: RenderableRequest) -> RenderedPrompt:
+        """The prompt for ``request``: its ``tool_reference`` blocks expanded
+        (contract/deferred.py), then its ``context_management`` edits applied
+        (contract/context_edits.py), then rendered. A ``context_management`` that
+        cannot be applied is a 400."""
+        request = expand_references(request)
+        try:
+            edited = context_edits.apply(request, self._render)
+        except context_edits.ContextEditError as exc:
+            raise invalid(str(exc)) from exc
+        out = edited.rendered if edited.rendered is not None else self._render(edited.request)
+        if edited.applied is None:
+            return out
+        return RenderedPrompt(out.tokens, out.blocks, edited.applied)
+
+    def _render(self, request: RenderableRequest) -> RenderedPrompt:
         if self.template is not None:
             return self.template.render(request)
         toks: list[int] = list(self._bos)
@@ -183,8 +242,16 @@ class Renderer:
             toks.extend(sep)
             spans.append(BlockSpan(path, section, kind, start, len(toks), cacheable, cc))
 
+        def skip(path: str, section: Section, kind: str, cacheable: bool, cc: Any) -> None:
+            # NOTE: a block that does not reach the prompt still has its span, empty,
+            # where it stands: a breakpoint on it caches what precedes it.
+            spans.append(BlockSpan(path, section, kind, len(toks), len(toks), cacheable, cc))
+
         for i, tool in enumerate(request.tools or ()):
-            spec = tool.model_dump(exclude={"cache_control"}, exclude_none=True)
+            if is_deferred(tool):  # never in the tools section (contract/deferred.py)
+                skip(f"tools.{i}", "tools", "tool", True, tool.cache_control)
+                continue
+            spec = tool.model_dump(exclude={"cache_control", "defer_loading"}, exclude_none=True)
             add(
                 f"tools.{i}",
                 "tools",
@@ -222,15 +289,21 @@ class Renderer:
                     role,
                 )
                 continue
+            opened = False  # the role header goes before the turn's first rendered block
             for k, block in enumerate(msg.content):
+                path = f"messages.{m}.content.{k}"
+                if not rendered_block(block):
+                    skip(path, "messages", block.type, _cacheable(block), block.cache_control)
+                    continue
                 add(
-                    f"messages.{m}.content.{k}",
+                    path,
                     "messages",
                     block.type,
                     block_text(block),
                     _cacheable(block),
                     block.cache_control,
-                    role if k == 0 else [],
+                    [] if opened else role,
                 )
+                opened = True
         toks.extend(self._marks["assistant"])  # the generation prompt
         return RenderedPrompt(array("i", toks), tuple(spans))

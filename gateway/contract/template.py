@@ -35,6 +35,7 @@ from ..schemas.messages import (
     ToolResultBlock,
     ToolUseBlock,
 )
+from .deferred import is_deferred
 from .render import (
     BlockSpan,
     RenderableRequest,
@@ -43,6 +44,7 @@ from .render import (
     Tokenizer,
     _cacheable,
     block_text,
+    rendered_block,
     tool_result_body,
 )
 
@@ -229,6 +231,12 @@ def to_conversation(request: RenderableRequest, *, marks: bool = True) -> Conver
         tools = []
         for i, tool in enumerate(request.tools):
             m = mark(_Block(f"tools.{i}", "tools", "tool", True, tool.cache_control))
+            if is_deferred(tool):
+                # NOTE: never in the tools section (contract/deferred.py); its marker is
+                # left out, so its span is empty where it stands. With every tool
+                # deferred the list stays [] (not None), so the same template renders
+                # every turn.
+                continue
             fn: dict[str, Any] = {"name": tool.name}
             if tool.description is not None:
                 fn["description"] = tool.description
@@ -263,7 +271,9 @@ def to_conversation(request: RenderableRequest, *, marks: bool = True) -> Conver
                 _cacheable(block),
                 block.cache_control,
             )
-            if isinstance(block, ToolUseBlock) and msg.role == "assistant":
+            if not rendered_block(block):
+                mark(b)  # thinking: an empty span, nothing in the text (render.py)
+            elif isinstance(block, ToolUseBlock) and msg.role == "assistant":
                 m = mark(b)
                 fn_call = {"name": block.name, "arguments": _Marked(m, block.input)}
                 calls.append({"type": "function", "id": block.id, "function": fn_call})

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..schemas.messages import CountTokensRequest, MessagesRequest
+from .deferred import callable_names
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -34,10 +35,12 @@ def new_tool_use_id() -> str:
 
 def offered(body: MessagesRequest) -> frozenset[str] | None:
     """The tool names a call may use; None when the output is not parsed at all
-    (no tools declared, or ``tool_choice: none``)."""
+    (no tools declared, or ``tool_choice: none``). A deferred tool counts only once the
+    history has loaded it (contract/deferred.py): until then the model was never shown
+    it, and Anthropic's model cannot call it either, so text naming it stays text."""
     if not body.tools or (body.tool_choice is not None and body.tool_choice.type == "none"):
         return None
-    return frozenset(tool.name for tool in body.tools)
+    return callable_names(body.tools, body.messages)
 
 
 @dataclass(frozen=True, slots=True)

@@ -82,7 +82,11 @@ class UsageRecord(Base):
     """One row per billed request; the request id makes a retry unable to bill twice."""
 
     __tablename__ = "usage"
-    __table_args__ = (Index("ix_usage_org_time", "org_id", "created_s"),)
+    __table_args__ = (
+        Index("ix_usage_org_time", "org_id", "created_s"),
+        # NOTE: "what did this session cost" is the first question a platform team asks.
+        Index("ix_usage_org_session", "org_id", "session_id"),
+    )
 
     request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     org_id: Mapped[str] = mapped_column(String(40))
@@ -99,6 +103,23 @@ class UsageRecord(Base):
     cost_micros: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     created_s: Mapped[int] = mapped_column(BigInteger)  # epoch seconds: portable bucketing
+    # The client's name for the model when an alias resolved it (``model`` is served).
+    requested_model: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    # The X-Claude-Code-Session-Id header, when sent and well formed.
+    session_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    # metadata.user_id as the client sent it (Claude Code: a JSON string), capped.
+    user_id: Mapped[str | None] = mapped_column(String(512), nullable=True)
+
+
+class ModelAlias(Base):
+    """A client-facing model name (or ``prefix*`` / ``*`` pattern) -> a served model id.
+    Overrides the gateway's ``model_aliases`` setting for the same name."""
+
+    __tablename__ = "model_aliases"
+
+    alias: Mapped[str] = mapped_column(String(256), primary_key=True)
+    model: Mapped[str] = mapped_column(String(256))  # the served model id it resolves to
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
 class IdempotencyRecord(Base):

@@ -17,6 +17,7 @@ from pydantic import (
     StrictBool,
     StrictFloat,
     StrictInt,
+    field_validator,
     model_validator,
 )
 
@@ -147,7 +148,18 @@ class ToolUseBlock(_Cacheable):
     toolset_name: str | None = None
 
 
-ToolResultContent = Annotated[TextBlock | ImageBlock, Field(discriminator="type")]
+class ToolReferenceBlock(_Cacheable):
+    """A deferred tool named inside a ``tool_result`` (client-side tool search, as
+    Claude Code's ToolSearch does): the tool's definition is loaded from ``tools``."""
+
+    type: Literal["tool_reference"]
+    tool_name: str = Field(min_length=1, max_length=256)
+
+
+# NOTE: documents too (a tool that reads a PDF returns one); rendered as a placeholder.
+ToolResultContent = Annotated[
+    TextBlock | ImageBlock | DocumentBlock | ToolReferenceBlock, Field(discriminator="type")
+]
 
 
 class ToolResultBlock(_Cacheable):
@@ -187,11 +199,38 @@ class Message(_Model):
     content: str | list[ContentBlock]
 
 
+# NOTE: tools Anthropic runs itself (web search, code execution, MCP ...) or defines
+# without a schema (bash, text editor, computer, memory): a self-hosted model has neither
+# the service nor the training, so they are refused with their path, not ignored.
+# Tool search too: with it the API expands `tool_reference` blocks it produced itself;
+# a client searches on its own side instead (a custom tool whose tool_result holds
+# `tool_reference` blocks), as Claude Code's ToolSearch does.
+_TOOL_SEARCH_HINT = (
+    "; search deferred tools on the client side instead (a custom tool whose "
+    "tool_result holds tool_reference blocks)"
+)
+
+
+def _refuse_server_tool(data: Any) -> Any:
+    kind = data.get("type") if isinstance(data, dict) else None
+    if isinstance(kind, str) and kind != "custom":
+        hint = _TOOL_SEARCH_HINT if kind.startswith("tool_search_tool") else ""
+        raise ValueError(f"server tool {kind} is not available on a self-hosted model{hint}")
+    return data
+
+
 class Tool(_Cacheable):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,128}$")
     description: str | None = None
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None
+    # NOTE: left out of the prompt until a tool_reference names it (Claude Code marks
+    # its MCP and rarely used tools so).
+    defer_loading: StrictBool | None = None
+    # NOTE: a streaming hint only: tool input is streamed whole per call here.
+    eager_input_streaming: StrictBool | None = None
+
+    _server_tools = model_validator(mode="before")(_refuse_server_tool)
 
 
 class ToolChoice(_Model):
@@ -201,7 +240,122 @@ class ToolChoice(_Model):
 
 
 class Metadata(_Model):
-    user_id: str | None = Field(None, max_length=256)
+    # NOTE: Claude Code sends a JSON object as a string (device_id: 64 hex, account_uuid,
+    # session_id: about 190 characters); 512 leaves room for keys it may add, and is the
+    # ledger column's width.
+    user_id: str | None = Field(None, max_length=512)
+
+
+# ---------------------------------------------------------------- thinking
+
+
+class ThinkingEnabled(_Model):
+    """Manual extended thinking. ``budget_tokens < max_tokens`` unless the
+    interleaved-thinking beta is on: checked in pipeline.prepare, which has the betas."""
+
+    type: Literal["enabled"]
+    budget_tokens: StrictInt = Field(ge=1024)
+    display: Literal["summarized", "omitted", "updates"] | None = None
+    block_binding: dict[str, Any] | None = None
+
+
+class ThinkingAdaptive(_Model):
+    type: Literal["adaptive"]
+    display: Literal["summarized", "omitted", "updates"] | None = None
+    block_binding: dict[str, Any] | None = None
+
+
+class ThinkingDisabled(_Model):
+    type: Literal["disabled"]
+
+
+# NOTE: accepted and validated, then ignored for generation: a model without a reasoning
+# mode answers without thinking blocks, as Anthropic's own non-thinking models do.
+ThinkingConfig = Annotated[
+    ThinkingEnabled | ThinkingAdaptive | ThinkingDisabled, Field(discriminator="type")
+]
+
+
+# ---------------------------------------------------------------- context management
+# The request shapes of `context_management` (Anthropic's field names); what the edits
+# do is contract/context_edits.py's.
+
+
+class InputTokens(_Model):
+    """A count of prompt tokens: a ``trigger`` or a ``clear_at_least``."""
+
+    type: Literal["input_tokens"]
+    value: StrictInt = Field(ge=0)
+
+
+class ToolUses(_Model):
+    """A count of tool uses: a ``trigger`` or a ``keep``."""
+
+    type: Literal["tool_uses"]
+    value: StrictInt = Field(ge=0)
+
+
+class ThinkingTurns(_Model):
+    """Keep the thinking of the last ``value`` assistant turns."""
+
+    type: Literal["thinking_turns"]
+    value: StrictInt = Field(ge=1)
+
+
+class AllThinkingTurns(_Model):
+    """Keep every turn's thinking (the same as ``keep: "all"``)."""
+
+    type: Literal["all"]
+
+
+class ClearThinkingEdit(_Model):
+    """Drop thinking blocks from older assistant turns. ``keep`` None = Anthropic's
+    default (the last turn's)."""
+
+    type: Literal["clear_thinking_20251015"]
+    keep: Literal["all"] | ThinkingTurns | AllThinkingTurns | None = None
+
+
+class ClearToolUsesEdit(_Model):
+    """Once the prompt passes ``trigger``, replace the oldest tool results (and with
+    ``clear_tool_inputs`` their calls' inputs) by placeholders, keeping the last
+    ``keep`` tool uses and those of ``exclude_tools``; only if at least
+    ``clear_at_least`` tokens go. None = Anthropic's default for each."""
+
+    type: Literal["clear_tool_uses_20250919"]
+    trigger: Annotated[InputTokens | ToolUses, Field(discriminator="type")] | None = None
+    keep: ToolUses | None = None
+    clear_at_least: InputTokens | None = None
+    exclude_tools: list[str] | None = None
+    clear_tool_inputs: StrictBool | list[str] | None = None
+
+
+ContextEdit = Annotated[ClearThinkingEdit | ClearToolUsesEdit, Field(discriminator="type")]
+
+
+class ContextManagement(_Model):
+    """``context_management``: edits applied to the history, in order."""
+
+    edits: list[ContextEdit] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _once_each(self) -> ContextManagement:
+        kinds = [edit.type for edit in self.edits]
+        for kind in kinds:
+            if kinds.count(kind) > 1:
+                raise ValueError(f"{kind} appears more than once in edits")
+        return self
+
+
+def _not_here(what: str) -> Any:
+    """A ``mode="before"`` field validator refusing a feature this gateway cannot run."""
+
+    def check(value: Any) -> Any:
+        if value is not None and value != []:
+            raise ValueError(f"{what} not available on a self-hosted model")
+        return value
+
+    return check
 
 
 class MessagesRequest(_Request):
@@ -219,6 +373,15 @@ class MessagesRequest(_Request):
     stream: StrictBool | None = None
     metadata: Metadata | None = None
     cache_control: CacheControl | None = None
+    thinking: ThinkingConfig | None = None
+    context_management: ContextManagement | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None  # one tier here
+    # NOTE: typed Any so that any value, whatever its shape, gets the clear refusal.
+    mcp_servers: Any = None
+    container: Any = None
+
+    _no_mcp = field_validator("mcp_servers", mode="before")(_not_here("MCP servers are"))
+    _no_container = field_validator("container", mode="before")(_not_here("containers are"))
 
 
 class CountTokensRequest(_Request):
@@ -230,6 +393,11 @@ class CountTokensRequest(_Request):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     cache_control: CacheControl | None = None
+    thinking: ThinkingConfig | None = None
+    context_management: ContextManagement | None = None
+    mcp_servers: Any = None
+
+    _no_mcp = field_validator("mcp_servers", mode="before")(_not_here("MCP servers are"))
 
 
 # ---------------------------------------------------------------- responses
@@ -262,6 +430,28 @@ class ToolUseOut(BaseModel):
     input: dict[str, Any]
 
 
+class ClearedToolUses(BaseModel):
+    """An applied ``clear_tool_uses_20250919`` edit (contract/context_edits.py)."""
+
+    type: Literal["clear_tool_uses_20250919"] = "clear_tool_uses_20250919"
+    cleared_tool_uses: int
+    cleared_input_tokens: int
+
+
+class ClearedThinking(BaseModel):
+    """An applied ``clear_thinking_20251015`` edit (contract/context_edits.py)."""
+
+    type: Literal["clear_thinking_20251015"] = "clear_thinking_20251015"
+    cleared_thinking_turns: int
+    cleared_input_tokens: int
+
+
+class ContextManagementOut(BaseModel):
+    """``context_management`` in a response: the edits that changed the prompt."""
+
+    applied_edits: list[ClearedToolUses | ClearedThinking]
+
+
 class MessageResponse(BaseModel):
     id: str
     type: Literal["message"] = "message"
@@ -271,6 +461,9 @@ class MessageResponse(BaseModel):
     stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
     stop_sequence: str | None
     usage: Usage
+    # NOTE: only when the request sent context_management (the route leaves it out
+    # otherwise), as Anthropic answers.
+    context_management: ContextManagementOut | None = None
 
 
 class CountTokensResponse(BaseModel):

@@ -75,6 +75,12 @@ class _PoolCollector(Collector):
         )
         queue.add_metric([s.name, "waiting"], len(s.waiting))
         queue.add_metric([s.name, "running"], len(s.running))
+        preemptions = CounterMetricFamily(
+            "cachepoint_replica_preemptions",
+            "Running sequences whose blocks were taken back to recompute later (KV full)",
+            labels=labels,
+        )
+        preemptions.add_metric(value, s.preemptions)
         epoch = GaugeMetricFamily(
             "cachepoint_replica_epoch", "Epoch of this process", labels=labels
         )
@@ -89,6 +95,7 @@ class _PoolCollector(Collector):
             blocks,
             entries,
             queue,
+            preemptions,
             epoch,
         )
 

@@ -35,6 +35,7 @@ from cachepoint.engine import (
 from cachepoint.engine.sampling import make_generator, sample_each
 from cachepoint.kvcore import (
     EVICTION_POLICIES,
+    Allocation,
     BlockPool,
     CacheStats,
     KVCacheManager,
@@ -132,6 +133,7 @@ class Scheduler:
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
         self.steps = 0  # engine steps run, ever
+        self.preemptions = 0  # running sequences requeued to recompute, ever
         self._ids: set[str] = set()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -292,7 +294,11 @@ class Scheduler:
     async def _run(self) -> None:
         while not self._stopping:
             self._reap_cancelled()
-            self._admit()
+            # NOTE: growth first, so running sequences get the blocks before newcomers;
+            # and no admission in a round that preempted, or the victim (now at the
+            # queue's head) would take back the blocks it just gave up.
+            if not self._grow():
+                self._admit()
             batch = self._schedule()
             if self.fault_hook is not None and not batch.empty:
                 self.fault_hook(batch)
@@ -339,9 +345,10 @@ class Scheduler:
     def _admit(self) -> None:
         """FIFO admission while sequences and blocks allow.
 
-        NOTE: the whole sequence (prompt + max_tokens) is reserved at admission, so a
-        running sequence never runs out of blocks mid-decode and nothing needs
-        preempting; the cost is reserved-but-unused blocks for early stops.
+        NOTE: admission reserves the prompt plus `decode_reserve_blocks` (never less
+        than the first decode's slot), not prompt + max_tokens: a `max_tokens: 32000`
+        must not hold 32,000 tokens of KV it may never use. Running sequences grow one
+        block at a time in `_grow`, which preempts the newest when the pool is full.
         """
         while self.waiting and len(self.running) < self.settings.max_num_seqs:
             seq = self.waiting[0]
@@ -353,31 +360,139 @@ class Scheduler:
 
     def _admit_one(self, seq: SequenceState) -> bool:
         """Admit the head of the queue (or fail it); False when it must wait for blocks."""
-        schedule = admission.key_schedule(seq.key_spans)
-        cp = admission.plan(self.manager, seq.prompt, schedule, seq.breakpoints)
-        n = seq.prompt_len
+        resumed = seq.cache is not None  # committed once, preempted since: recompute
+        if resumed and seq.plan is not None:
+            # NOTE: the first admission's plan stands: re-planning would look entries
+            # up again, and the cache report (what is billed) is the first admission's.
+            cp = seq.plan
+        else:
+            schedule = admission.key_schedule(seq.key_spans)
+            cp = admission.plan(self.manager, seq.prompt, schedule, seq.breakpoints)
+        n = seq.prefill_len
+        # Token slots it can ever use: the last sampled token is never fed back.
+        cap = seq.prompt_len + seq.params.max_tokens - 1
+        least = max(n, min(n + 1, cap))  # up to the first decode's slot
+        want = max(least, min(cap, n + self.settings.decode_reserve_blocks * self.block_size))
         try:
-            alloc = self.manager.allocate(cp.block_hashes, n)
-            try:
-                alloc.grow(n + seq.params.max_tokens)
-            except PoolExhaustedError:
-                alloc.abort()
-                raise
+            alloc = self._allocate(cp, n, want)
         except PoolExhaustedError as exc:
-            if not self.running:
+            if self.running:
+                return False
+            try:
+                # NOTE: alone, it is admitted with the least it can run on rather than
+                # turned away; if the pool stays full it ends at `max_tokens` (_grow).
+                alloc = self._allocate(cp, n, least)
+            except PoolExhaustedError:
                 # Nothing will free blocks: what is held is retained by TTL.
                 self.waiting.popleft()
                 self._finish(seq, error=OverloadedError(f"KV pool is full: {exc}"))
                 return True
-            return False
         self.waiting.popleft()
         seq.plan, seq.alloc = cp, alloc
         seq.num_computed = alloc.num_cached_tokens
         seq.status = SeqStatus.PREFILLING
-        seq.t_admit = time.perf_counter()
         self.running.append(seq)
-        self._trace_admission(seq)
+        if resumed:
+            seq.prefill_span = self.tracer.start_span("recompute", context=seq.otel_ctx)
+        else:
+            seq.t_admit = time.perf_counter()
+            self._trace_admission(seq)
         return True
+
+    def _allocate(self, cp: admission.CachePlan, n: int, slots: int) -> Allocation:
+        """Hit the prompt's cached prefix, then blocks for ``slots`` token slots in all.
+
+        NOTE: only the prompt's blocks are hashed, so a recompute publishes what the
+        first prefill did and never the generated tokens.
+        """
+        alloc = self.manager.allocate(cp.block_hashes, n)
+        try:
+            alloc.grow(slots)
+        except PoolExhaustedError:
+            alloc.abort()
+            raise
+        return alloc
+
+    def _grow(self) -> bool:
+        """Give each decoding sequence, oldest first, the slot its next step writes and
+        one more; when the pool is full, preempt the newest running sequence (vLLM's
+        recompute preemption). Returns whether anything was preempted.
+
+        NOTE: the slot one ahead is what lets a sequence the pool cannot grow end with
+        a final token event (which flushes held-back text) rather than after one.
+        """
+        preempted = False
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.DECODING or seq.context_full:
+                continue  # preempted in this loop already, prefilling, or at its end
+            try:
+                preempted |= self._grow_one(seq)
+            except Exception as exc:
+                self._fail(seq, exc)
+        return preempted
+
+    def _grow_one(self, seq: SequenceState) -> bool:
+        assert seq.alloc is not None
+        k = len(seq.output)
+        need = seq.prompt_len + k  # slots once the next decode wrote its token
+        # One slot ahead unless the token this step samples is the last anyway.
+        want = min(need + 1, seq.prompt_len + seq.params.max_tokens - 1)
+        preempted = False
+        while True:
+            try:
+                seq.alloc.grow(max(want, need))
+                return preempted
+            except PoolExhaustedError:
+                if len(self.running) == 1:
+                    break
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted = True
+            if victim is seq:
+                return True
+        # Alone and the pool is full (what else is held is retained by TTL): the
+        # context is full, so it ends like a length stop, not with an error.
+        try:
+            seq.alloc.grow(need)
+        except PoolExhaustedError:
+            seq.stop_reason = "max_tokens"  # NOTE: unreachable while admission keeps `least`
+            self._finish(seq)
+        else:
+            seq.context_full = True
+        return preempted
+
+    def _preempt(self, seq: SequenceState) -> None:
+        """Return ``seq``'s blocks and requeue it at the front to recompute later.
+
+        Its published prompt blocks stay in the prefix cache (cached-free, evictable
+        like any others), so the recompute usually hits them. Nothing is streamed again:
+        the recompute prefills the prompt plus the output so far and samples on from it.
+        """
+        assert seq.alloc is not None
+        committed = seq.cache is not None
+        seq.alloc.close()  # abort if the prefill never committed, else free
+        seq.alloc = None
+        if committed:
+            seq.recompute = len(seq.output)
+        else:
+            # NOTE: before its first commit nothing was reported or streamed: it starts
+            # over as a fresh admission (a new plan, a new cache report).
+            seq.plan = None
+            self._end_prefill_span(seq, None, preempted=True)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        if seq.decode_span is not None:
+            seq.decode_span.add_event("preempted", {"cachepoint.output_tokens": len(seq.output)})
+        log.info(
+            "preempted %s after %d tokens",
+            seq.request_id,
+            len(seq.output),
+            extra={"fields": {"event": "preempted", "replica": self.name}},
+        )
 
     def _schedule(self) -> StepBatch:
         """Decodes first (one token each), then prefill chunks in the remaining budget,
@@ -397,7 +512,7 @@ class Scheduler:
                 assert seq.alloc is not None
                 chunk = min(seq.remaining_prefill, budget)
                 end = seq.num_computed + chunk
-                req = PrefillRequest(seq.prompt[:end], seq.alloc.block_ids, seq.num_computed)
+                req = PrefillRequest(seq.prefill_tokens(end), seq.alloc.block_ids, seq.num_computed)
                 batch.prefills.append((seq, req))
                 budget -= chunk
         return batch
@@ -427,7 +542,7 @@ class Scheduler:
         for i, (seq, req) in enumerate(batch.prefills):
             seq.max_batch = max(seq.max_batch, size)
             seq.num_computed = len(req.token_ids)
-            if seq.num_computed == seq.prompt_len:
+            if seq.num_computed == seq.prefill_len:
                 try:
                     self._commit_prefill(seq)
                 except Exception as exc:
@@ -454,6 +569,12 @@ class Scheduler:
         assert seq.alloc is not None
         assert seq.plan is not None
         self._end_prefill_span(seq, None)
+        if seq.cache is not None:
+            # NOTE: a recompute after a preemption: the report and `prefill_done` went
+            # out at the first commit and stand (billed once); entries were written then.
+            seq.alloc.commit()
+            seq.status = SeqStatus.DECODING
+            return
         with self.tracer.start_as_current_span("publish", context=seq.otel_ctx) as span:
             stored = seq.alloc.commit()
             admission.write_entries(self.manager, seq.plan)
@@ -484,7 +605,9 @@ class Scheduler:
         seq.decode_span = self.tracer.start_span("decode", context=seq.otel_ctx)
         seq.stream.put_nowait(PrefillDone(seq.cache))
 
-    def _end_prefill_span(self, seq: SequenceState, error: Exception | None) -> None:
+    def _end_prefill_span(
+        self, seq: SequenceState, error: Exception | None, *, preempted: bool = False
+    ) -> None:
         span, seq.prefill_span = seq.prefill_span, None
         if span is None:
             return
@@ -498,6 +621,8 @@ class Scheduler:
                 "cachepoint.prefill.tensor_parallel_size": self.settings.tensor_parallel_size,
             }
         )
+        if preempted:
+            span.set_attribute("cachepoint.preempted", True)
         if error is not None:
             span.set_attribute("cachepoint.aborted", True)
             span.record_exception(error)
@@ -512,7 +637,7 @@ class Scheduler:
             seq.stop_reason = "end_turn"
         elif seq.stopper.append(token) is not None:
             seq.stop_reason = "stop_sequence"
-        elif len(seq.output) >= seq.params.max_tokens:
+        elif len(seq.output) >= seq.params.max_tokens or seq.context_full:
             seq.stop_reason = "max_tokens"
         final = seq.stop_reason is not None
         seq.stream.put_nowait(TokenEvent(token, seq.stopper.delta(final=final)))
@@ -597,5 +722,5 @@ class Scheduler:
     @property
     def queued_prefill_tokens(self) -> int:
         """Prefill work not yet done: what the router's load penalty weighs."""
-        waiting = sum(s.prompt_len for s in self.waiting)
+        waiting = sum(s.prefill_len for s in self.waiting)
         return waiting + sum(s.remaining_prefill for s in self.running if s.plan is not None)

@@ -19,7 +19,7 @@ from .schemas import CacheReport
 
 
 class SeqStatus(enum.Enum):
-    WAITING = "waiting"  # queued; holds no blocks
+    WAITING = "waiting"  # queued (or preempted and requeued); holds no blocks
     PREFILLING = "prefilling"  # admitted; prefill chunks running; blocks unpublished
     DECODING = "decoding"  # prefill committed; generating
     FINISHED = "finished"  # done or failed; blocks returned
@@ -56,7 +56,10 @@ class SequenceState:
     plan: CachePlan | None = None  # set at admission
     alloc: Allocation | None = None  # set at admission
     generator: torch.Generator | None = None  # per-sequence sampling RNG
-    num_computed: int = 0  # prompt positions whose KV is in the pool
+    num_computed: int = 0  # prefill positions whose KV is in the pool
+    recompute: int = 0  # output tokens the next prefill recomputes (after a preemption)
+    preemptions: int = 0  # times its blocks were taken back and it was requeued
+    context_full: bool = False  # the pool cannot grow it: the next token is its last
     output: list[int] = field(default_factory=list)  # generated token ids
     stop_reason: str | None = None  # end_turn | max_tokens | stop_sequence
     cache: CacheReport | None = None  # final after commit
@@ -76,5 +79,16 @@ class SequenceState:
         return len(self.prompt)
 
     @property
+    def prefill_len(self) -> int:
+        """Tokens the current admission prefills: the prompt, plus the output so far
+        when it recomputes after a preemption."""
+        return len(self.prompt) + self.recompute
+
+    @property
     def remaining_prefill(self) -> int:
-        return self.prompt_len - self.num_computed
+        return self.prefill_len - self.num_computed
+
+    def prefill_tokens(self, end: int) -> list[int]:
+        """The first ``end`` tokens of what this admission prefills."""
+        n = len(self.prompt)
+        return self.prompt[:end] if end <= n else self.prompt + self.output[: end - n]

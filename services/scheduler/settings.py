@@ -86,6 +86,12 @@ class ReplicaSettings(BaseSettings):
     max_model_len: int | None = Field(None, ge=16, description="longest sequence; None = model's")
     max_num_seqs: int = Field(32, ge=1, description="sequences running at once")
     max_num_batched_tokens: int = Field(2048, ge=16, description="tokens in one forward")
+    decode_reserve_blocks: int = Field(
+        1,
+        ge=0,
+        description="KV blocks reserved past the prompt at admission for the first "
+        "decodes; later ones grow on demand (preempting the newest sequence when full)",
+    )
     max_waiting: int = Field(256, ge=0, description="queued requests before 429")
     nats_url: str | None = Field(
         None,

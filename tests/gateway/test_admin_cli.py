@@ -88,8 +88,9 @@ def test_admin_cli_usage_table_and_csv(tmp_path, stack):
         "model",
         "--csv",
     ).stdout.splitlines()
-    assert (
-        out[0] == "starting_at,model,uncached_input,cache_read,cache_write_5m,cache_write_1h,output"
+    assert out[0] == (
+        "starting_at,model,uncached_input,cache_read,cache_write_5m,cache_write_1h,output,"
+        "cost_usd,uncached_usd,saved_usd"
     )
     rows = [line.split(",") for line in out[1:]]
     assert len(rows) == 1

@@ -229,10 +229,12 @@ def test_conformance_orgs_are_isolated(stack):
                 model=MODEL,
                 max_tokens=4,
                 messages=[{"role": "user", "content": "q"}],
-                extra_headers={"anthropic-beta": "not-a-beta-2099"},
+                # NOTE: unknown betas are accepted since issue 14 (strict_betas opts
+                # back in; tests/gateway/test_client_shapes.py); a server tool is not.
+                extra_body={"tools": [{"type": "web_search_20250305", "name": "web_search"}]},
             ),
             anthropic.BadRequestError,
-            "Unsupported beta header: not-a-beta-2099",
+            "tools.0: server tool web_search_20250305 is not available",
         ),
         (
             lambda c: c.messages.create(
@@ -256,7 +258,7 @@ def test_conformance_orgs_are_isolated(stack):
                 model=MODEL, max_tokens=5000, messages=[{"role": "user", "content": "x" * 5000}]
             ),
             anthropic.BadRequestError,
-            "prompt is too long",
+            "input length and `max_tokens` exceed context limit: ",
         ),
     ],
 )

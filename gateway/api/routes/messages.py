@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 
-from ... import idempotency, requestlog, streaming
-from ...accounting import bill, charge_of
-from ...contract import toolcalls
+from ... import aliases, idempotency, requestlog, streaming
+from ...accounting import attribution_of, bill, charge_of
+from ...contract import context_edits, toolcalls
+from ...contract.render import degraded_headers
 from ...dispatch import generate, open_watched, pick
-from ...errors import envelope, not_found
+from ...errors import envelope
 from ...pipeline import (
     Prepared,
     ReportLimits,
@@ -44,13 +45,21 @@ log = logging.getLogger(__name__)
 
 router = APIRouter(tags=["messages"])
 
+_Body = TypeVar("_Body", MessagesRequest, CountTokensRequest)
+
 SCOPE_HEADER = "cachepoint-cache-scope"
 REPLICA_HEADER = "cachepoint-replica"
 
 
-def _check_model(state: GatewayState, model: str) -> None:
-    if model not in state.models():
-        raise not_found(f"model: {model}")
+async def _resolved(state: GatewayState, body: _Body) -> _Body:
+    """The request with its model resolved to a served id (aliases), or a 404.
+
+    NOTE: routing, the cache key, profiles, the answer's ``model`` and the ledger all
+    use the served id, as Anthropic answers an alias with the snapshot it resolved to:
+    one served model has one cache whatever name reached it. The ledger keeps the
+    client's name too (``requested_model``)."""
+    served = await aliases.resolve(state, body.model)
+    return body if served == body.model else body.model_copy(update={"model": served})
 
 
 @router.post("/v1/messages", response_model=MessageResponse)
@@ -74,10 +83,12 @@ async def create_message(
             "cachepoint.org": ctx.org_id,
         }
     )
-    _check_model(state, body.model)
+    requested = body.model
+    body = await _resolved(state, body)
+    who = attribution_of(rid, request.headers, body, requested)
     key = idempotency.key_from(request)
     with state.tracer.start_as_current_span("render") as span:
-        prepared = prepare(body, ctx, betas, state.settings, state.renderer, rid)
+        prepared = prepare(body, ctx, betas, state.settings, state.renderer, rid, who)
         span.set_attributes(render_attributes(prepared.rendered, prepared.plan))
     claim: idempotency.Claim | None = None
     if key is not None:
@@ -131,6 +142,7 @@ async def _complete(
     if result is None:
         return _client_gone(state, rid, f"after {gen.output_tokens} output tokens")
     headers = {SCOPE_HEADER: prepared.plan.scope, REPLICA_HEADER: gen.replica}
+    headers |= degraded_headers(body)
     content, stop_reason, stop_sequence = _answer(body, result, prepared.forcing)
     msg = MessageResponse(
         id=f"msg_{rid.removeprefix('req_')}",
@@ -139,8 +151,10 @@ async def _complete(
         stop_reason=stop_reason,
         stop_sequence=stop_sequence,
         usage=usage_of(b),
+        context_management=context_edits.report(prepared.rendered.applied_edits),
     )
-    response = JSONResponse(msg.model_dump(), headers=headers)
+    unset = {"context_management"} if msg.context_management is None else None
+    response = JSONResponse(msg.model_dump(exclude=unset), headers=headers)
     if claim is not None:
         await claim.complete(200, headers, bytes(response.body), "json")
     metrics = state.metrics
@@ -174,6 +188,7 @@ async def _stream(
             await claim.release()
         return _client_gone(state, rid, "while queued or prefilling")
     headers = {SCOPE_HEADER: prepared.plan.scope, REPLICA_HEADER: opened.replica.name}
+    headers |= degraded_headers(body)
     job = StreamJob(
         state, ctx, body, rid, prepared, limits, opened, headers, t_start, t_open, claim
     )
@@ -212,7 +227,7 @@ async def count_tokens(
     body: CountTokensRequest, state: StateDep, ctx: MessageCallerDep, betas: BetasDep
 ) -> CountTokensResponse:
     requestlog.note_request(ctx, body.model, False)
-    _check_model(state, body.model)
+    body = await _resolved(state, body)
     rendered, _ = render_prompt(body, state.renderer)
     plan_cache(rendered, body, ctx, betas, state.settings)  # the same contract errors
     return CountTokensResponse(input_tokens=len(rendered))

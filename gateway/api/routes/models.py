@@ -1,10 +1,11 @@
-"""GET /v1/models: the configured models and those the live replicas report."""
+"""GET /v1/models: the configured models, those the live replicas report, and the
+aliases (names, not patterns) that point at one of them."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter
 
-from ...errors import not_found
+from ... import aliases
 from ...profiles import profile_of
 from ...schemas.messages import ModelInfo, ModelList
 from ...state import GatewayState
@@ -15,14 +16,15 @@ router = APIRouter(tags=["models"])
 _CREATED = "2026-11-01T00:00:00Z"
 
 
-def _info(state: GatewayState, model: str) -> ModelInfo:
+def _info(state: GatewayState, model: str, served: str | None = None) -> ModelInfo:
     # NOTE: each model id has its own window (its profile's context_window, else the
     # checkpoint's context length); as Anthropic's ModelInfo has them,
-    # max_input_tokens is the window and max_tokens the output cap.
-    window = profile_of(state.settings, model).context_window
+    # max_input_tokens is the window and max_tokens the output cap. An alias reports
+    # the window of the model it resolves to.
+    window = profile_of(state.settings, served or model).context_window
     return ModelInfo(
         id=model,
-        display_name=model,
+        display_name=model if served is None else f"{model} (alias of {served})",
         created_at=_CREATED,
         max_input_tokens=window,
         max_tokens=window - 1,
@@ -31,7 +33,12 @@ def _info(state: GatewayState, model: str) -> ModelInfo:
 
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(state: StateDep, _: CallerDep) -> ModelList:
-    data = [_info(state, m) for m in state.models()]
+    models = state.models()
+    named = aliases.concrete(await aliases.table(state))
+    data = [_info(state, m) for m in models]
+    data += [
+        _info(state, a, t) for a, t in sorted(named.items()) if t in models and a not in models
+    ]
     return ModelList(
         data=data,
         first_id=data[0].id if data else None,
@@ -41,6 +48,5 @@ async def list_models(state: StateDep, _: CallerDep) -> ModelList:
 
 @router.get("/v1/models/{model_id}", response_model=ModelInfo)
 async def get_model(model_id: str, state: StateDep, _: CallerDep) -> ModelInfo:
-    if model_id not in state.models():
-        raise not_found(f"model: {model_id}")
-    return _info(state, model_id)
+    served = await aliases.resolve(state, model_id)  # 404 not_found_error when none
+    return _info(state, model_id, None if served == model_id else served)
