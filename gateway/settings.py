@@ -52,6 +52,10 @@ NOOP_BETA_FAMILIES = [
     "output-128k",
     "messages",
     "tools",
+    # Claude Code 2.1.328 (captured): system turns among the messages (rendered in
+    # place), and per-turn output_config on them (effort: a no-op here).
+    "mid-conversation-tool-changes",
+    "per-turn-control",
 ]
 
 

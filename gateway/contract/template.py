@@ -54,17 +54,22 @@ from .render import (
 # tool layout (JSON signatures inside <tools> in the system turn, <tool_call> JSON in
 # assistant turns, <tool_response> in a user turn), without Qwen's default system
 # prompt ("You are Qwen, ..."), which would misname any other model.
+# NOTE: one change from Qwen's layout: the tools come before the system text, in
+# Anthropic's cache order (tools, system, messages). A breakpoint on a tool then caches
+# tools only, and one on the system caches tools + system, so two sessions whose
+# system texts differ (Claude Code's names the working directory) still share their
+# tools' entry, as they would on Anthropic's API.
 CHATML_TOOLS_TEMPLATE = r"""{%- if tools %}
     {{- '<|im_start|>system\n' }}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- messages[0]['content'] + '\n\n' }}
-    {%- endif %}
     {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
     {%- for tool in tools %}
         {{- "\n" }}
         {{- tool | tojson }}
     {%- endfor %}
     {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>" }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '\n\n' + messages[0]['content'] }}
+    {%- endif %}
     {%- if tool_instruction %}
         {{- "\n\n" + tool_instruction }}
     {%- endif %}
@@ -73,7 +78,7 @@ CHATML_TOOLS_TEMPLATE = r"""{%- if tools %}
     {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
 {%- endif %}
 {%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "assistant" and not message.tool_calls) %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
         {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
     {%- elif message.role == "assistant" %}
         {{- '<|im_start|>' + message.role }}
@@ -295,7 +300,7 @@ def to_conversation(request: RenderableRequest, *, marks: bool = True) -> Conver
                 out["tool_calls"] = calls
             messages.append(out)
         else:
-            _flush_user(messages, text)
+            _flush_user(messages, text, msg.role)  # a user turn, or a system one in place
     instruction = None
     if tools and choice is not None and choice.type == "any":
         instruction = "You must call one or more of these functions."
@@ -304,10 +309,10 @@ def to_conversation(request: RenderableRequest, *, marks: bool = True) -> Conver
     return Conversation(messages, tools, instruction, blocks, nonce)
 
 
-def _flush_user(messages: list[dict[str, Any]], text: list[str]) -> None:
+def _flush_user(messages: list[dict[str, Any]], text: list[str], role: str = "user") -> None:
     """Close a run of user blocks as one user turn (tool results are turns of their own)."""
     if text:
-        messages.append({"role": "user", "content": BLOCK_JOIN.join(text)})
+        messages.append({"role": role, "content": BLOCK_JOIN.join(text)})
         text.clear()
 
 

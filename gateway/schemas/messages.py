@@ -194,9 +194,53 @@ ContentBlock = Annotated[
 ]
 
 
+Effort = Literal["low", "medium", "high", "xhigh", "max"]
+
+
+class OutputConfig(_Model):
+    """``output_config``: how hard the model should try, and a structured format.
+
+    NOTE: effort and an advisory task budget change nothing for a model without a
+    reasoning mode, so they are accepted (Claude Code sends ``effort`` on every
+    request); a structured output ``format`` would be a promise this gateway cannot
+    keep (no constrained decoding), so it is refused with its path.
+    """
+
+    effort: Effort | None = None
+    task_budget: dict[str, Any] | None = None  # advisory, {"type": "tokens", "total": N}
+    format: Any = None
+
+    @field_validator("format", mode="before")
+    @classmethod
+    def _no_format(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("structured outputs are not available on a self-hosted model")
+        return value
+
+
+class MessageOutputConfig(_Model):
+    """Per-turn ``output_config`` on a ``role: "system"`` message (effort only)."""
+
+    effort: Effort | None = None
+
+
 class Message(_Model):
-    role: Literal["user", "assistant"]
+    # NOTE: "system" mid-conversation is Claude Code's (its mid-conversation-tool-changes
+    # beta: the environment and tool changes as a system turn in place); it renders as
+    # a system turn where it stands, so the prefix before it stays cacheable.
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
+    output_config: MessageOutputConfig | None = None
+
+    @model_validator(mode="after")
+    def _system_turns_hold_text(self) -> Message:
+        if self.role == "system" and not isinstance(self.content, str):
+            for i, block in enumerate(self.content):
+                if not isinstance(block, TextBlock):
+                    raise ValueError(f"content.{i}: a system message holds only text blocks")
+        if self.output_config is not None and self.role != "system":
+            raise ValueError("output_config: only a system message carries one")
+        return self
 
 
 # NOTE: tools Anthropic runs itself (web search, code execution, MCP ...) or defines
@@ -376,6 +420,7 @@ class MessagesRequest(_Request):
     thinking: ThinkingConfig | None = None
     context_management: ContextManagement | None = None
     service_tier: Literal["auto", "standard_only"] | None = None  # one tier here
+    output_config: OutputConfig | None = None
     # NOTE: typed Any so that any value, whatever its shape, gets the clear refusal.
     mcp_servers: Any = None
     container: Any = None
@@ -395,6 +440,7 @@ class CountTokensRequest(_Request):
     cache_control: CacheControl | None = None
     thinking: ThinkingConfig | None = None
     context_management: ContextManagement | None = None
+    output_config: OutputConfig | None = None
     mcp_servers: Any = None
 
     _no_mcp = field_validator("mcp_servers", mode="before")(_not_here("MCP servers are"))

@@ -152,6 +152,11 @@ class Stack:
     # The random model's tokenizer (bytes, smollm2 or a path: random_model.py); the
     # gateway renders with the same one. Ignored with a checkpoint, which brings its own.
     tokenizer: str = "smollm2"
+    # The random model's turn length (its N-th token is EOS); 0 = to max_tokens.
+    random_turn_tokens: int = 0
+    # Client model names served by this stack's model: Claude Code asks for Claude
+    # models (claude-opus-5-5 without --model), so "claude-*" maps to it by default.
+    model_aliases: dict[str, str] | None = None
     tracing: bool = True
     children: list[Child] = field(default_factory=list)
     nats_url: str = ""
@@ -270,6 +275,8 @@ class Stack:
                     args += ["--model-dir", str(self.model_dir)]
                 else:
                     args += ["--tokenizer", str(random_tokenizer or "bytes")]
+                    if self.random_turn_tokens:
+                        args += ["--random-turn-tokens", str(self.random_turn_tokens)]
                 progress(f"starting replica-{i}")
                 self._spawn(f"replica-{i}", args, url)
                 replica_urls.append(url)
@@ -312,6 +319,13 @@ class Stack:
                 if random_tokenizer is not None:
                     gargs += ["--model-dir", str(random_tokenizer)]
                 gateway_env["CACHEPOINT_GATEWAY_MAX_CONTEXT_TOKENS"] = str(RANDOM_CONTEXT)
+            aliases = (
+                {"claude-*": self.served_model()}
+                if self.model_aliases is None
+                else self.model_aliases
+            )
+            if aliases:
+                gateway_env["CACHEPOINT_GATEWAY_MODEL_ALIASES"] = json.dumps(aliases)
             mport = free_port()
             self.metrics_url = f"http://127.0.0.1:{mport}"
             gargs += ["--metrics-port", str(mport)]

@@ -59,6 +59,14 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         "Not with --model or --model-dir, which bring their own",
     )
     up.add_argument(
+        "--random-turn-tokens",
+        type=int,
+        metavar="N",
+        help="the tiny random model ends each turn with EOS as its N-th token (default 64), "
+        "so agent clients such as Claude Code, which take a max_tokens stop for an error, "
+        "get answers; 0 = run to max_tokens. Not with --model or --model-dir",
+    )
+    up.add_argument(
         "--kv-budget",
         help="KV memory per replica (default: the replica's 256MiB for the tiny model, two "
         "sequences of its full context; with --model, the model's own: 768MiB for smollm2). "
@@ -116,6 +124,11 @@ def run_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.tokenizer is not None and (args.model or args.model_dir):
         parser.error("--tokenizer is the tiny model's: --model and --model-dir bring their own")
     args.tokenizer = args.tokenizer or "smollm2"
+    if args.random_turn_tokens is not None and (args.model or args.model_dir):
+        parser.error("--random-turn-tokens is the tiny model's: a checkpoint ends its own turns")
+    if args.random_turn_tokens is not None and args.random_turn_tokens < 0:
+        parser.error("--random-turn-tokens must be 0 or more")
+    random_turn = 64 if args.random_turn_tokens is None else args.random_turn_tokens
     # NOTE: piped output has no width; keep keys and tables whole for scripts and logs.
     console = Console(width=None if Console().is_terminal else 140)
     stack = Stack(
@@ -126,6 +139,7 @@ def run_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         model=args.model,
         kv_budget=args.kv_budget,
         tokenizer=args.tokenizer,
+        random_turn_tokens=0 if (args.model or args.model_dir) else random_turn,
         min_cacheable_tokens=min_cacheable(args),
         on_event=lambda ev: report_child(console, ev),
     )
@@ -134,6 +148,10 @@ def run_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    # NOTE: SIGINT too, explicitly: a process started in the background by a
+    # non-interactive shell inherits SIGINT ignored, and then "press Ctrl-C to stop"
+    # (or `kill -INT`) would leave the whole stack running (seen in a backgrounded CI).
+    signal.signal(signal.SIGINT, on_signal)
     try:
         with console.status("starting") as status:
             stack.start(progress=lambda msg: status.update(msg))

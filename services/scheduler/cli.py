@@ -64,6 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-budget cannot hold one sequence that long). Pair the gateway's --model-dir "
         "with the same file, so both count the same tokens",
     )
+    p.add_argument(
+        "--random-turn-tokens",
+        type=int,
+        metavar="N",
+        help="the random model only: make its N-th generated token EOS, so that every turn "
+        "ends (agent clients such as Claude Code treat a max_tokens stop as an error); "
+        "default 0: random weights run to max_tokens",
+    )
     p.add_argument("--tp", type=int, dest="tensor_parallel_size", help="tensor-parallel ranks")
     p.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
     p.add_argument("--dtype", help="auto | float32 | bfloat16 | float16")

@@ -115,6 +115,8 @@ class Scheduler:
         self.model = settings.model_name
         self.block_size = engine.block_size
         self.max_model_len = engine.max_model_len
+        # The random model's turn length (0 = none); a checkpoint ends its own turns.
+        self._random_turn = settings.random_turn_tokens if engine.model_dir is None else 0
         self.pool = BlockPool(
             engine.num_blocks,
             engine.block_size,
@@ -630,6 +632,16 @@ class Scheduler:
         span.end()
 
     def _append_token(self, seq: SequenceState, token: int) -> None:
+        eos = self.engine.eos_id
+        if (
+            self._random_turn
+            and eos is not None
+            and not seq.params.ignore_eos
+            and len(seq.output) + 1 >= self._random_turn
+        ):
+            # NOTE: the random model "samples" EOS here: a turn that ends as a real
+            # model's does (end_turn, EOS as the last token), not a max_tokens stop.
+            token = eos
         seq.output.append(token)
         if (
             token in self.engine.eos_ids and not seq.params.ignore_eos

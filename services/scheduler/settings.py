@@ -69,6 +69,12 @@ class ReplicaSettings(BaseSettings):
         "its vocabulary and BOS/EOS become the model's (a checkpoint brings its own)",
     )
     seed: int = Field(0, description="seed for random weights when no model_dir is given")
+    random_turn_tokens: int = Field(
+        0,
+        ge=0,
+        description="the random model only: its token number N is EOS, ending the turn "
+        "(random weights never end one); 0 = run to EOS by chance or max_tokens",
+    )
     tensor_parallel_size: int = Field(1, ge=1, description="ranks that split heads")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     dtype: str = Field("auto", description="auto | float32 | bfloat16 | float16")
@@ -165,6 +171,8 @@ class ReplicaSettings(BaseSettings):
                 "model_dir) brings its own"
             )
         tokenizer_source(self.tokenizer)  # a bad value fails here, not at start-up
+        if self.model_dir is not None and self.random_turn_tokens:
+            raise ValueError("random_turn_tokens applies to the random model only")
         return self
 
     @property

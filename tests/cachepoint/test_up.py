@@ -58,8 +58,15 @@ def test_up_demo_end_to_end(tmp_path, free_port):
     assert not [n for n, pid in ep["pids"].items() if _alive(pid)], "orphan processes left"
 
 
+def _as_if_backgrounded() -> None:
+    """What a non-interactive shell does to a job it starts with `&`."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 @pytest.mark.slow
-def test_up_serves_until_ctrl_c(tmp_path, free_port):
+@pytest.mark.parametrize("background", [False, True])
+def test_up_serves_until_ctrl_c(tmp_path, free_port, background):
+    """Ctrl-C (SIGINT) stops it, also when it inherited SIGINT ignored."""
     port = free_port()
     state = tmp_path / "state"
     proc = subprocess.Popen(
@@ -67,6 +74,7 @@ def test_up_serves_until_ctrl_c(tmp_path, free_port):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=_as_if_backgrounded if background else None,
     )
     try:
         _wait_for_endpoint(proc, state)

@@ -13,10 +13,12 @@ import pytest
 
 from .scripted import MODEL, Gateway, Script, gateway_factory
 
-# Claude Code 2.1.328's header, as captured (issue 14), plus one no client defines.
+# Claude Code 2.1.328's header, as captured (issue 14; without --model it adds
+# per-turn-control-2026-07-01).
 CLAUDE_CODE_BETAS = (
     "claude-code-20250219,interleaved-thinking-2025-05-14,context-management-2025-06-27,"
-    "thinking-token-count-2026-05-13,advanced-tool-use-2025-11-20"
+    "per-turn-control-2026-07-01,mid-conversation-tool-changes-2026-07-01,"
+    "thinking-token-count-2026-05-13,advanced-tool-use-2025-11-20,effort-2025-11-24"
 )
 UNKNOWN = "not-a-beta-2099-01-01"
 IGNORED = "cachepoint-ignored-betas"
@@ -390,7 +392,10 @@ def claude_code_body() -> dict[str, Any]:
         "model": MODEL,
         "max_tokens": 32000,
         "stream": True,
-        "thinking": {"type": "enabled", "budget_tokens": 31999, "display": "omitted"},
+        # NOTE: 2.1.328 as captured: adaptive thinking, effort, and the environment as a
+        # system turn after the user's, holding the last breakpoint.
+        "thinking": {"type": "adaptive", "display": "omitted"},
+        "output_config": {"effort": "high"},
         "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
         "metadata": {"user_id": user_id},
         "system": [
@@ -415,9 +420,19 @@ def claude_code_body() -> dict[str, Any]:
                 "role": "user",
                 "content": [
                     *reminders,
-                    {"type": "text", "text": "say hi", "cache_control": {"type": "ephemeral"}},
+                    {"type": "text", "text": "say hi"},
                 ],
-            }
+            },
+            {
+                "role": "system",
+                "content": [
+                    {
+                        "type": "text",
+                        "text": "# Environment\n - Primary working directory: /tmp/p",
+                        "cache_control": {"type": "ephemeral"},
+                    }
+                ],
+            },
         ],
     }
 
@@ -452,3 +467,31 @@ def test_a_claude_code_request_streams_end_to_end(gateway_for):
     (sent,) = script.bodies
     assert sent["max_tokens"] == 32000 and len(sent["breakpoints"]) == 3
     assert len(gw.wait_rows(1)) == 1
+
+
+def test_output_config_and_system_turns(gateway_for):
+    gw: Gateway = gateway_for(_script())
+    for effort in ("low", "medium", "high", "xhigh", "max"):
+        assert post(gw, ask(output_config={"effort": effort})).status_code == 200
+    budget = {"effort": "high", "task_budget": {"type": "tokens", "total": 400000}}
+    assert post(gw, ask(output_config=budget)).status_code == 200
+    assert "effort" in error_of(post(gw, ask(output_config={"effort": "huge"})))
+    fmt = {"format": {"type": "json_schema", "schema": {"type": "object"}}}
+    assert "output_config.format: structured outputs are not available" in (
+        error_of(post(gw, ask(output_config=fmt)))
+    )
+    turn = {"role": "system", "content": "env", "output_config": {"effort": "low"}}
+    assert post(gw, ask(messages=[*MSGS, turn])).status_code == 200
+    image = {"type": "image", "source": {"type": "url", "url": "http://x/a.png"}}
+    bad_turn = {"role": "system", "content": [image]}
+    assert "a system message holds only text blocks" in error_of(
+        post(gw, ask(messages=[*MSGS, bad_turn]))
+    )
+    stray = {"role": "user", "content": "hi", "output_config": {"effort": "low"}}
+    assert "only a system message carries one" in error_of(post(gw, ask(messages=[stray])))
+    counted = post(
+        gw,
+        {"model": MODEL, "messages": [*MSGS, turn], "output_config": budget},
+        path="/v1/messages/count_tokens",
+    )
+    assert counted.status_code == 200 and counted.json()["input_tokens"] > 0

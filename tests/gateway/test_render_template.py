@@ -9,12 +9,13 @@ piece by piece (cut at block ends), and the ids must be equal.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from cachepoint.gateway.contract.breakpoints import ScopePolicy, resolve
+from cachepoint.gateway.contract.breakpoints import ContractError, ScopePolicy, resolve
 from cachepoint.gateway.contract.template import (
     CHATML_TOOLS_TEMPLATE,
     TemplateError,
@@ -116,7 +117,8 @@ CASES: list[tuple[str, dict[str, Any], list[dict[str, Any]], list[dict[str, Any]
                     "cache_control": {"type": "ephemeral", "ttl": "1h"},
                 },
             ],
-            "tools": [WEATHER, {**CLOCK, "cache_control": {"type": "ephemeral"}}],
+            # 1h: the tools come before the system (whose block is 1h) in cache order.
+            "tools": [WEATHER, {**CLOCK, "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
             "messages": [
                 {"role": "user", "content": "Weather in Paris and Rome, and the time?"},
                 {
@@ -227,6 +229,46 @@ CASES: list[tuple[str, dict[str, Any], list[dict[str, Any]], list[dict[str, Any]
         ],
         [_hf_tool(WEATHER)],
     ),
+    (
+        # Claude Code's mid-conversation system turn (environment, tool changes).
+        "system_turn_in_the_messages",
+        {
+            "system": "You are a coding agent.",
+            "messages": [
+                {
+                    "role": "system",
+                    "content": [{"type": "text", "text": "# Environment\n - cwd: /tmp/p"}],
+                    "output_config": {"effort": "medium"},
+                },
+                {"role": "user", "content": "List the files."},
+            ],
+        },
+        [
+            {"role": "system", "content": "You are a coding agent."},
+            {"role": "system", "content": "# Environment\n - cwd: /tmp/p"},
+            {"role": "user", "content": "List the files."},
+        ],
+        None,
+    ),
+    (
+        "system_turn_with_tools",
+        {
+            "system": "You are a coding agent.",
+            "tools": [WEATHER],
+            "messages": [
+                {"role": "user", "content": "Weather in Oslo?"},
+                {"role": "system", "content": "Tool get_weather is now available."},
+                {"role": "user", "content": "Go on."},
+            ],
+        },
+        [
+            {"role": "system", "content": "You are a coding agent."},
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "system", "content": "Tool get_weather is now available."},
+            {"role": "user", "content": "Go on."},
+        ],
+        [_hf_tool(WEATHER)],
+    ),
 ]
 
 
@@ -312,29 +354,40 @@ def test_block_ends_are_exact(case: Any, renderer: Any) -> None:
 
 
 def test_breakpoints_sit_on_block_ends(renderer: Any) -> None:
-    req = _request(CASES[2][1])
-    out = renderer.render(req)
-    plan = resolve(
-        out,
-        None,
-        model="m",
-        tenant_key="org:1",
-        betas=(),
-        cache_key_betas=(),
-        policy=ScopePolicy(),
-        min_cacheable_tokens=0,
-        block_size=16,
-    )
+    body = copy.deepcopy(CASES[2][1])
+    body["system"][1]["cache_control"] = {"type": "ephemeral"}  # 5m, as the tool's
+
+    def plan_of(b: dict[str, Any]) -> Any:
+        return resolve(
+            renderer.render(_request(b)),
+            None,
+            model="m",
+            tenant_key="org:1",
+            betas=(),
+            cache_key_betas=(),
+            policy=ScopePolicy(),
+            min_cacheable_tokens=0,
+            block_size=16,
+        )
+
+    out = renderer.render(_request(body))
+    plan = plan_of(body)
     by_path = {s.path: s for s in out.blocks}
-    # ChatML puts the system text before the tools in the system turn, so the spans
-    # (and the ttl order rule) follow the rendered order: system, then tools.
-    assert [b.path for b in plan.breakpoints] == ["system.1", "tools.1"]
+    # The tools come first in the system turn, in Anthropic's cache order (tools,
+    # system, messages): a breakpoint on the system caches the tools too.
+    assert [b.path for b in plan.breakpoints] == ["tools.1", "system.1"]
     assert [b.position for b in plan.breakpoints] == [
-        by_path["system.1"].end,
         by_path["tools.1"].end,
+        by_path["system.1"].end,
     ]
-    assert by_path["system.1"].end < by_path["tools.0"].end < by_path["tools.1"].end
-    assert plan.breakpoints[1].boundaries[:2] == (by_path["tools.0"].end, by_path["system.1"].end)
+    assert by_path["tools.0"].end < by_path["tools.1"].end < by_path["system.1"].end
+    assert plan.breakpoints[1].boundaries[:2] == (by_path["system.0"].end, by_path["tools.1"].end)
+    # So the ttl order rule reads that order too: a 1h system after a 5m tool is
+    # refused, as Anthropic refuses it.
+    refused = copy.deepcopy(CASES[2][1])
+    refused["tools"][1]["cache_control"] = {"type": "ephemeral"}  # 5m before the 1h system
+    with pytest.raises(ContractError, match=r"system\.1\.cache_control: a ttl='1h'"):
+        plan_of(refused)
 
 
 def test_count_tokens_renders_the_same(renderer: Any) -> None:
@@ -462,7 +515,8 @@ def test_tool_choice_instructs_the_model(
     if instruction is None:
         assert "You must call" not in text
     else:
-        assert f"</tool_call>\n\n{instruction}<|im_end|>" in text
+        # After the system text, the turn's last words (tools, system, instruction).
+        assert f"Be exact.\n\n{instruction}<|im_end|>" in text
     ref = ref_tok.apply_chat_template(
         hf_messages,
         tools=hf_tools,

@@ -161,3 +161,28 @@ def test_cli_replica_with_bpe_tokenizer_logs_its_vocab(free_port) -> None:
         out, _ = proc.communicate(timeout=30)
     started = next(line for line in out.splitlines() if '"replica_started"' in line)
     assert '"vocab_size":49152' in started and '"tokenizer":"smollm2"' in started
+
+
+def test_random_turn_tokens_end_the_random_models_turn(serve, tmp_path: Path) -> None:
+    """Random weights never end a turn; with random_turn_tokens N their N-th token is
+    EOS (stop_reason end_turn), streamed and not; ignore_eos still runs to max_tokens."""
+    settings = ReplicaSettings(
+        name="r-turn", device="cpu", kv_cache_bytes=16 * 2**20, random_turn_tokens=5
+    )
+    url = serve(create_app(settings))
+    body = {"token_ids": list(b"hello there"), "max_tokens": 50}
+    out = httpx.post(f"{url}/v1/generate", json=body).json()
+    assert out["stop_reason"] == "end_turn" and out["output_tokens"] == 5
+    assert out["output_token_ids"][-1] == 257  # the byte tokenizer's EOS
+    with httpx.stream("POST", f"{url}/v1/generate", json={**body, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    done = [ln for ln in lines if '"type": "done"' in ln or '"type":"done"' in ln]
+    assert len(done) == 1 and '"end_turn"' in done[0]
+    assert sum('"type": "token"' in ln or '"type":"token"' in ln for ln in lines) == 5
+    shorter = httpx.post(f"{url}/v1/generate", json={**body, "max_tokens": 3}).json()
+    assert shorter["stop_reason"] == "max_tokens" and shorter["output_tokens"] == 3
+    free = httpx.post(f"{url}/v1/generate", json={**body, "ignore_eos": True}).json()
+    assert free["stop_reason"] == "max_tokens" and free["output_tokens"] == 50
+    # A checkpoint ends its own turns: the option is refused with one.
+    with pytest.raises(ValidationError, match="random model only"):
+        ReplicaSettings(model_dir=str(SMOLLM2), random_turn_tokens=5)
