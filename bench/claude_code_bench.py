@@ -16,10 +16,12 @@ cache; the session at least 80% cheaper than uncached. Exits 1 when a claude cal
 
 NOTE: a cold session cannot meet the cost target: its first turn writes the whole
 prompt at 1.25x, and each later turn reads it at 0.1x, so five turns cost at least
-(1.25 + 4 x 0.1) / 5 = 33% of uncached (67% saved). Claude Code's tools and system
-prompt are the same for every session of an org, so a session on a gateway that has
-served one before reads them on its first turn too. The bench runs --sessions
-sessions (default 2), each with its own HOME and project, one after the other; the
+(1.25 + 4 x 0.1) / 5 = 33% of uncached (67% saved). Claude Code's tools are the same
+for every session of an org, and its system text for every session in one project
+(it names the working directory), so a session on a gateway that has served one
+before reads them on its first turn. The bench runs --sessions sessions (default 3)
+one after the other: a cold one, warm ones each in a new project, and the last one in
+the first session's project (a developer's next session in the same repository); the
 cost target is judged on the warm ones, every session is printed.
 
 NOTE: the tiny model's random weights never write an end-of-turn token; the stack ends
@@ -134,13 +136,19 @@ def replica_timings(logs: Path) -> dict[str, float]:
     return out
 
 
-def run_session(base_url: str, api_key: str, db_url: str, logs: Path, turns: int) -> list[Turn]:
-    """One Claude Code session of ``turns`` calls in a fresh HOME and project."""
-    work = Path(tempfile.mkdtemp(prefix="cc-bench-"))
+def run_session(
+    base_url: str, api_key: str, db_url: str, logs: Path, turns: int, work: Path | None = None
+) -> list[Turn]:
+    """One Claude Code session of ``turns`` calls: a new session (``claude -p`` first)
+    in ``work``'s HOME and project, a fresh pair when ``work`` is None."""
+    if work is None or not (work / "project").is_dir():
+        work = work or Path(tempfile.mkdtemp(prefix="cc-bench-"))
+        (work / "home").mkdir(parents=True)
+        (work / "project").mkdir()
+        (work / "project" / "README.md").write_text(
+            "# notes\nA scratch project for the Claude Code bench.\n"
+        )
     home, project = work / "home", work / "project"
-    home.mkdir()
-    project.mkdir()
-    (project / "README.md").write_text("# notes\nA scratch project for the Claude Code bench.\n")
     env = claude_env(base_url, api_key, home)
     out: list[Turn] = []
     seen = len(ledger_rows(db_url))
@@ -205,7 +213,12 @@ def report(turns: list[Turn], judge_cost: bool) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--turns", type=int, default=5)
-    ap.add_argument("--sessions", type=int, default=2, help="the first one is cold")
+    ap.add_argument(
+        "--sessions",
+        type=int,
+        default=3,
+        help="the first is cold; with 3 or more the last runs in the first one's project",
+    )
     ap.add_argument(
         "--random-turn-tokens", type=int, default=64, help="the tiny model's turn length"
     )
@@ -223,15 +236,22 @@ def main() -> None:
     stack.start(progress=lambda m: print(f"  {m}", file=sys.stderr))
     ok = True
     try:
+        first = Path(tempfile.mkdtemp(prefix="cc-bench-"))
         for n in range(args.sessions):
+            # NOTE: the last warm session is a developer's next one in the first
+            # session's project (same HOME, a new `claude -p`); the others each get a
+            # project of their own, whose working directory is in the system text.
+            same = n > 0 and n == args.sessions - 1 and args.sessions > 2
             turns = run_session(
                 stack.base_url,
                 stack.keys["api_key"],
                 stack.db_url,
                 state / "logs",
                 args.turns,
+                first if n == 0 or same else None,
             )
-            print(f"session {n + 1} ({'cold' if n == 0 else 'warm'} gateway)")
+            where = "the first session's project" if same else "a new project"
+            print(f"session {n + 1} ({'cold' if n == 0 else 'warm'} gateway, {where})")
             ok = report(turns, judge_cost=n > 0) and ok
     finally:
         stack.stop()

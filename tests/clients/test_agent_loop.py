@@ -107,6 +107,16 @@ def test_claude_code_runs_read_and_sends_the_tool_result(serve, tmp_path: Path, 
     assert str(target) in follow_up
     assert follow_up.index(str(target)) < follow_up.index(SENTINEL)
 
+    # The follow-up can read the previous turn's cache: up to that turn's last
+    # breakpoint it sends the same tokens under the same keys, so a real replica finds
+    # the entry the call's turn wrote (the cache numbers of this scripted replica are
+    # its own; tests/clients/test_claude_code.py measures real ones).
+    call, result = script.bodies[calls[0]], script.bodies[results[0]]
+    last = max(bp["position"] for bp in call["breakpoints"])
+    assert result["token_ids"][:last] == call["token_ids"][:last]
+    assert result["key_spans"] == call["key_spans"]
+    assert any(bp["position"] > last for bp in result["breakpoints"])  # it writes on
+
     rows = ledger(db)
     assert len(rows) == len(script.bodies)
     assert len({row.session_id for row in rows}) == 1
