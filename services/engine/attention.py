@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from .kv_pool import KVPool
 
@@ -30,9 +31,11 @@ class PrefillSpan:
     end: int  # one past the last packed row
     length: int  # N: the context attended over, positions 0..N-1
     block_table: torch.Tensor  # [ceil(N / block_size)] blocks holding positions 0..N-1
-    # [end-start, N] bool, True = may attend; None when nothing was cached, where the
-    # plain causal mask applies and SDPA can skip the masked half.
-    mask: torch.Tensor | None
+
+    @property
+    def num_cached(self) -> int:
+        """M: the cached positions before the first computed row."""
+        return self.length - (self.end - self.start)
 
 
 @dataclass(slots=True)
@@ -53,26 +56,62 @@ class AttentionMetadata:
     decode: DecodeSpan | None  # None when the step has no decoding sequences
 
 
-def causal_mask_with_prefix(num_cached: int, num_tokens: int, device: torch.device) -> torch.Tensor:
-    """``[N-M, N]`` mask: query ``i`` (position ``M+i``) sees keys ``0..M+i``."""
-    keys = torch.arange(num_tokens, device=device)
-    queries = torch.arange(num_cached, num_tokens, device=device)
-    return keys[None, :] <= queries[:, None]
-
-
-# NOTE: with an explicit mask SDPA computes every (query, key) pair, masked or not; in
-# query chunks, each chunk stops at its own last key, so only a chunk-sized triangle
-# per chunk is wasted instead of half of the new tokens' square.
+# NOTE: where causal_lower_right has no fused kernel (off the CPU path below, e.g. a
+# float32 CUDA tensor with GQA), SDPA materializes its [n, N] mask; queries in chunks of
+# this size bound that mask to [QUERY_CHUNK, N], linear in the context.
 QUERY_CHUNK = 1024
 
+# NOTE: private, but the only CPU SDPA entry that returns the log-sum-exp needed to
+# merge two partial attentions; absent, the portable lower-right bias is used.
+_CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
-def _prefix_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
-    """Causal attention of ``n`` queries that follow a cached prefix: ``[1, H, n, D]``."""
-    n, total = mask.shape
+
+def _cpu_flash(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU flash attention (GQA native): the output ``[1, H, n, D]`` and its
+    natural-log log-sum-exp ``[1, H, n]`` (float32)."""
+    assert _CPU_FLASH is not None
+    out, lse = _CPU_FLASH(q, k, v, 0.0, causal)[:2]
+    return out, lse
+
+
+def _prefix_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Lower-right causal attention as two mask-free flash calls merged by log-sum-exp.
+
+    NOTE: on the CPU, ``causal_lower_right`` falls back to materializing its ``[n, N]``
+    mask, and SDPA then converts that to an ``[n, N]`` float bias. Every query sees the
+    whole cached prefix ``0..M-1`` (no mask) and, among the new keys ``M..N-1``, the plain
+    causal square (``is_causal`` on an ``n x n`` block is lower-right). Measured on this
+    2-core machine, tiny model's shapes (4 heads, 2 KV heads, head_dim 16), one call:
+    n=336 over N=6000, 20-34 ms with the chunked explicit mask, 34 ms with
+    ``causal_lower_right``, 11-24 ms split; n=1768 over N=32768, 0.7-1.1 s explicit,
+    0.38-0.62 s split. A whole tiny-model prefill of 336 tokens over a 5,664-token cached
+    prefix: 13.3-14.6 ms before, 9.4-9.8 ms split (best of 10). Peak extra memory is
+    two ``[H, n, D]`` partial outputs and their weights; no ``[n, N]`` tensor.
+    """
+    m = k.shape[2] - q.shape[2]  # > 0: the split relies on a non-empty prefix
+    o1, l1 = _cpu_flash(q, k[:, :, :m], v[:, :, :m], causal=False)
+    o2, l2 = _cpu_flash(q, k[:, :, m:], v[:, :, m:], causal=True)
+    lse = torch.logaddexp(l1, l2)
+    w1 = torch.exp(l1 - lse).unsqueeze(-1)
+    w2 = torch.exp(l2 - lse).unsqueeze(-1)
+    return (o1.float() * w1 + o2.float() * w2).to(q.dtype)
+
+
+def _prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of ``n`` queries that follow a cached prefix: ``[1, H, n, D]``.
+
+    Query ``i`` (position ``N-n+i``) sees keys ``0..N-n+i``: the lower-right causal mask.
+    """
+    n, total = q.shape[2], k.shape[2]
+    if q.device.type == "cpu" and _CPU_FLASH is not None and q.dtype in _CPU_FLASH_DTYPES:
+        return _prefix_attention_cpu(q, k, v)
     if n <= QUERY_CHUNK:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=causal_lower_right(n, total), enable_gqa=True
+        )
     out = torch.empty_like(q)
     for i0 in range(0, n, QUERY_CHUNK):
         i1 = min(n, i0 + QUERY_CHUNK)
@@ -81,7 +120,7 @@ def _prefix_attention(
             q[:, :, i0:i1],
             k[:, :, :keys],
             v[:, :, :keys],
-            attn_mask=mask[i0:i1, :keys],
+            attn_mask=causal_lower_right(i1 - i0, keys),
             enable_gqa=True,
         )
     return out
@@ -110,10 +149,10 @@ def paged_attention(
         ck = ck[:, : span.length].to(q.dtype).unsqueeze(0)
         cv = cv[:, : span.length].to(q.dtype).unsqueeze(0)
         qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
-        if span.mask is None:
+        if span.num_cached == 0:
             res = F.scaled_dot_product_attention(qs, ck, cv, is_causal=True, enable_gqa=True)
         else:
-            res = _prefix_attention(qs, ck, cv, span.mask)
+            res = _prefix_attention(qs, ck, cv)
         out[span.start : span.end] = res[0].transpose(0, 1)
     if meta.decode is not None:
         d = meta.decode

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .attention import AttentionMetadata, DecodeSpan, PrefillSpan, causal_mask_with_prefix
+from .attention import AttentionMetadata, DecodeSpan, PrefillSpan
 from .batch import DecodeRequest, PrefillRequest, StepOutput
 from .config import EngineConfig, ModelConfig
 from .device import resolve_device, resolve_dtype
@@ -139,8 +139,7 @@ class ModelRunner:
             ids.extend(r.token_ids[m:])
             positions.append(torch.arange(m, n, dtype=torch.long, device=dev))
             slots.append(slot_mapping(table, m, n, bs))
-            mask = None if m == 0 else causal_mask_with_prefix(m, n, dev)
-            spans.append(PrefillSpan(row, row + n - m, n, table, mask))
+            spans.append(PrefillSpan(row, row + n - m, n, table))
             row += n - m
         decode: DecodeSpan | None = None
         if decodes:
