@@ -16,25 +16,10 @@ from cachepoint.scheduler.model_source import preset_path
 from cachepoint.scheduler.random_model import RANDOM_CONTEXT
 from cachepoint.stack import Stack, StackError
 
+from ..scheduler.test_random_tokenizer import long_text
 from .test_up import CMD
 
 SMOLLM2 = preset_path("smollm2")
-
-
-def _words(n: int) -> str:
-    vocab = [
-        "cache",
-        "prefix",
-        "token",
-        "replica",
-        "gateway",
-        "block",
-        "model",
-        "prompt",
-        "agent",
-        "tool",
-    ]
-    return " ".join(f"{vocab[i % len(vocab)]}{i % 97}" for i in range(n))
 
 
 def _args(stack: Stack, name: str) -> list[str]:
@@ -94,7 +79,7 @@ def test_stack_default_counts_smollm2_tokens_past_8192(tmp_path: Path, free_port
         assert replica[replica.index("--tokenizer") + 1] == str(SMOLLM2)
         assert gateway[gateway.index("--model-dir") + 1] == str(SMOLLM2)
         assert "--kv-budget" not in replica  # the replica's 256 MiB: the full context
-        text = _words(4000)  # 33,579 bytes; 11,610 tokens as SmolLM2 renders it
+        text = long_text(4000)  # 33,579 bytes; 11,610 tokens as SmolLM2 renders it
         req, usage = _ask(stack, text)
         # The gateway's count is SmolLM2's ChatML rendering, token for token.
         want = len(build_renderer(SMOLLM2).render(req))

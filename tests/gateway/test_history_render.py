@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-from cachepoint.gateway.contract.breakpoints import ScopePolicy, resolve
 from cachepoint.gateway.contract.deferred import definition_text
 from cachepoint.gateway.contract.render import Renderer, degraded, degraded_headers
 from cachepoint.gateway.contract.template import build_renderer
@@ -18,6 +17,8 @@ from cachepoint.gateway.schemas.messages import MessagesRequest
 from cachepoint.scheduler.model_source import preset_path
 from cachepoint.tokenizer import ByteTokenizer
 
+from .plans import last_breakpoint, plan_of
+
 CANONICAL = Renderer(ByteTokenizer())
 TEMPLATE = build_renderer(preset_path("smollm2"))
 RENDERERS = pytest.mark.parametrize("r", [CANONICAL, TEMPLATE], ids=["canonical", "smollm2"])
@@ -25,19 +26,7 @@ EPH = {"type": "ephemeral"}
 
 
 def _last_breakpoint(r: Any, req: MessagesRequest) -> tuple[Any, int]:
-    out = r.render(req)
-    plan = resolve(
-        out,
-        None,
-        model="m",
-        tenant_key="org:1",
-        betas=(),
-        cache_key_betas=(),
-        policy=ScopePolicy(),
-        min_cacheable_tokens=0,
-        block_size=16,
-    )
-    return out, max(b.position for b in plan.breakpoints)
+    return last_breakpoint(r, req)
 
 
 def _turns(session: list[dict[str, Any]], n: int, **body: Any) -> MessagesRequest:
@@ -235,17 +224,7 @@ def test_a_breakpoint_on_a_deferred_tool_caches_the_tools_before_it():
     out = CANONICAL.render(req)
     spans = {s.path: s for s in out.blocks}
     assert spans["tools.1"].end == spans["tools.0"].end
-    plan = resolve(
-        out,
-        None,
-        model="m",
-        tenant_key="org:1",
-        betas=(),
-        cache_key_betas=(),
-        policy=ScopePolicy(),
-        min_cacheable_tokens=0,
-        block_size=16,
-    )
+    plan = plan_of(out)
     assert plan.breakpoints[0].position == spans["tools.0"].end
 
 

@@ -10,10 +10,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cachepoint.gateway.contract.breakpoints import ScopePolicy, resolve
 from cachepoint.gateway.contract.template import build_renderer
 from cachepoint.gateway.schemas.messages import MessagesRequest
 from cachepoint.scheduler.model_source import preset_path
+
+from .plans import last_breakpoint
 
 # NOTE: preset_path raises, naming the install step, when the model is missing: the
 # Makefile installs it, and a skipped reference check would hide a missing install.
@@ -32,6 +33,8 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(texts, inner, max_size=3),
     max_leaves=6,
 )
+
+
 TOOLS = [
     {"name": "search", "description": "Search the web.", "input_schema": {"type": "object"}},
     {"name": "read_file", "input_schema": {"type": "object", "properties": {"p": {}}}},
@@ -90,19 +93,7 @@ def _request(session: dict[str, Any], upto: int) -> MessagesRequest:
 
 
 def _last_breakpoint(req: MessagesRequest) -> tuple[Any, int]:
-    out = RENDERER.render(req)
-    plan = resolve(
-        out,
-        None,
-        model="m",
-        tenant_key="org:1",
-        betas=(),
-        cache_key_betas=(),
-        policy=ScopePolicy(),
-        min_cacheable_tokens=0,
-        block_size=16,
-    )
-    return out, max(b.position for b in plan.breakpoints)
+    return last_breakpoint(RENDERER, req)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from cachepoint.gateway.contract.breakpoints import ContractError, ScopePolicy, resolve
+from cachepoint.gateway.contract.breakpoints import ContractError
 from cachepoint.gateway.contract.template import (
     CHATML_TOOLS_TEMPLATE,
     TemplateError,
@@ -26,6 +26,8 @@ from cachepoint.gateway.contract.template import (
 )
 from cachepoint.gateway.schemas.messages import MessagesRequest
 from cachepoint.scheduler.model_source import preset_path
+
+from .plans import plan_of
 
 # NOTE: preset_path raises, naming the install step, when the model is missing: the
 # Makefile installs it, and a skipped reference check would hide a missing install.
@@ -357,21 +359,11 @@ def test_breakpoints_sit_on_block_ends(renderer: Any) -> None:
     body = copy.deepcopy(CASES[2][1])
     body["system"][1]["cache_control"] = {"type": "ephemeral"}  # 5m, as the tool's
 
-    def plan_of(b: dict[str, Any]) -> Any:
-        return resolve(
-            renderer.render(_request(b)),
-            None,
-            model="m",
-            tenant_key="org:1",
-            betas=(),
-            cache_key_betas=(),
-            policy=ScopePolicy(),
-            min_cacheable_tokens=0,
-            block_size=16,
-        )
+    def plan_for(b: dict[str, Any]) -> Any:
+        return plan_of(renderer.render(_request(b)))
 
     out = renderer.render(_request(body))
-    plan = plan_of(body)
+    plan = plan_for(body)
     by_path = {s.path: s for s in out.blocks}
     # The tools come first in the system turn, in Anthropic's cache order (tools,
     # system, messages): a breakpoint on the system caches the tools too.
@@ -387,7 +379,7 @@ def test_breakpoints_sit_on_block_ends(renderer: Any) -> None:
     refused = copy.deepcopy(CASES[2][1])
     refused["tools"][1]["cache_control"] = {"type": "ephemeral"}  # 5m before the 1h system
     with pytest.raises(ContractError, match=r"system\.1\.cache_control: a ttl='1h'"):
-        plan_of(refused)
+        plan_for(refused)
 
 
 def test_count_tokens_renders_the_same(renderer: Any) -> None:
