@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
+from cachepoint.gateway.contract.billing import Buckets
 from cachepoint.gateway.db.session import make_engine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,25 +94,17 @@ class Row:
 
     request_id: str  # the gateway's request id
     session_id: str | None  # X-Claude-Code-Session-Id as billed
-    input_tokens: int  # after the last breakpoint: 1x
-    cache_read_input_tokens: int  # read from the cache: 0.1x
-    cache_write_5m_tokens: int  # written, 5-minute TTL: 1.25x
-    cache_write_1h_tokens: int  # written, 1-hour TTL: 2x
-    output_tokens: int  # generated
+    buckets: Buckets  # the four input buckets and the output, as billed
     cost_micros: int  # what the row was billed, micro-dollars
 
     @property
     def prompt_tokens(self) -> int:
-        return (
-            self.input_tokens
-            + self.cache_read_input_tokens
-            + self.cache_write_5m_tokens
-            + self.cache_write_1h_tokens
-        )
+        return self.buckets.prompt_tokens
 
     @property
     def read_share(self) -> float:
-        return self.cache_read_input_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        p = self.prompt_tokens
+        return self.buckets.cache_read_input_tokens / p if p else 0.0
 
 
 def ledger(db_url: str) -> list[Row]:
@@ -124,6 +117,6 @@ def ledger(db_url: str) -> list[Row]:
                 " cache_write_5m_tokens, cache_write_1h_tokens, output_tokens, cost_micros"
                 " FROM usage ORDER BY rowid"
             )
-            return [Row(*r) for r in conn.execute(text(q))]
+            return [Row(r[0], r[1], Buckets(*r[2:7]), r[7]) for r in conn.execute(text(q))]
     finally:
         engine.dispose()

@@ -50,6 +50,14 @@ def _shape(content: list[Any]) -> list[tuple[Any, ...]]:
     ]
 
 
+def _answer(client: Any, stream: bool, **kw: Any) -> Any:
+    """The final message, collected (create) or streamed (stream's final message)."""
+    if not stream:
+        return client.messages.create(**kw)
+    with client.messages.stream(**kw) as s:
+        return s.get_final_message()
+
+
 EXPECTED = [
     ("text", "I'll check.\n"),
     ("tool_use", "get_weather", {"city": "Paris"}),
@@ -112,11 +120,7 @@ def test_tool_choice_none_and_no_tools_leave_the_text_alone(gateway_for, stream)
     client = gw.client()
     for extra in ({"tools": TOOLS, "tool_choice": {"type": "none"}}, {}):
         kw: dict[str, Any] = {"model": MODEL, "max_tokens": 64, "messages": MSGS, **extra}
-        if stream:
-            with client.messages.stream(**kw) as s:
-                msg = s.get_final_message()
-        else:
-            msg = client.messages.create(**kw)
+        msg = _answer(client, stream, **kw)
         assert _shape(msg.content) == [("text", "".join(CALLS))], extra
         assert msg.stop_reason == "end_turn"
 
@@ -133,11 +137,7 @@ def test_malformed_and_unknown_calls_are_text_not_errors(gateway_for, stream):
     gw: Gateway = gateway_for(Script(texts=texts, once=True, stop_reason="max_tokens"))
     client = gw.client()
     kw: dict[str, Any] = {"model": MODEL, "max_tokens": 64, "messages": MSGS, "tools": TOOLS}
-    if stream:
-        with client.messages.stream(**kw) as s:
-            msg = s.get_final_message()
-    else:
-        msg = client.messages.create(**kw)
+    msg = _answer(client, stream, **kw)
     assert _shape(msg.content) == [("text", "".join(texts))]
     assert msg.stop_reason == "max_tokens"
     assert [r.output_tokens for r in gw.wait_rows(1)] == [len(texts)]
@@ -181,11 +181,7 @@ def test_tool_choice_tool_starts_the_call_and_stops_at_its_end(gateway_for, stre
         "tools": TOOLS,
         "tool_choice": choice,
     }
-    if stream:
-        with client.messages.stream(**kw) as s:
-            msg = s.get_final_message()
-    else:
-        msg = client.messages.create(**kw)
+    msg = _answer(client, stream, **kw)
     assert _shape(msg.content) == [("tool_use", "get_weather", {"city": "Paris"})]
     assert msg.stop_reason == "tool_use" and msg.stop_sequence is None
     sent = script.bodies[-1]
@@ -220,11 +216,7 @@ def test_tool_choice_any_lets_the_model_name_the_tool(gateway_for, stream):
         "tool_choice": {"type": "any"},
         "stop_sequences": ["END"],
     }
-    if stream:
-        with client.messages.stream(**kw) as s:
-            msg = s.get_final_message()
-    else:
-        msg = client.messages.create(**kw)
+    msg = _answer(client, stream, **kw)
     assert _shape(msg.content) == [("tool_use", "get_time", {})]
     assert msg.stop_reason == "tool_use"
     assert script.bodies[-1]["stop_sequences"] == ["END", "</tool_call>"]
@@ -243,11 +235,7 @@ def test_a_forced_call_the_model_botches_is_text(gateway_for, stream):
         "tools": TOOLS,
         "tool_choice": {"type": "tool", "name": "get_weather"},
     }
-    if stream:
-        with client.messages.stream(**kw) as s:
-            msg = s.get_final_message()
-    else:
-        msg = client.messages.create(**kw)
+    msg = _answer(client, stream, **kw)
     assert _shape(msg.content) == [("text", FORCED_WEATHER + "I would rather not.")]
     assert msg.stop_reason == "end_turn"
 
