@@ -76,7 +76,7 @@ class ReplicaDirectory:
         self.replicas: dict[str, ReplicaState] = {}
         self.resyncs = 0  # snapshot resyncs started, ever
         self.heartbeat_misses = 0  # replicas taken out of routing for silence, ever
-        self.health_downs = 0  # replicas taken out of routing by a failed health check, ever
+        self.health_downs = 0  # replicas marked unhealthy by a failed health check, ever
         self.batches_applied = 0
         self.rejections: dict[str, int] = {}  # messages refused, by reason
         self._logged: dict[tuple[str, str], float] = {}  # (reason, name) -> last log time
@@ -291,8 +291,9 @@ class ReplicaDirectory:
         if st is None or not st.healthy:
             return
         st.healthy = False
-        if st.view.live:
-            self.health_downs += 1
+        # NOTE: counted on the health transition, whether or not a missed heartbeat had
+        # already taken it out: otherwise the count depends on which check came first.
+        self.health_downs += 1
         st.view.live = False
         log.warning("replica %s out of routing: health check failed (%s)", name, why)
 

@@ -53,7 +53,7 @@ class _PlaneCollector(Collector):
         )
         yield CounterMetricFamily(
             "cachepoint_health_downs",
-            "Replicas taken out of routing by a failed health check",
+            "Replicas marked unhealthy by a failed health check",
             value=v.get("health_downs", 0),
         )
         refused = CounterMetricFamily(

@@ -204,6 +204,14 @@ def test_directory_failed_health_check_overrides_heartbeats():
     d.mark_unhealthy("r0", "connect error")
     d.on_heartbeat(hb("r0", epoch=2))  # a restart is judged afresh
     assert d.replicas["r0"].view.live and d.health_downs == 2
+    # Counted even when silence had already taken it out: the count does not depend on
+    # which of the two checks noticed first.
+    clock.advance(60)
+    d.sweep()
+    assert not d.replicas["r0"].view.live
+    d.mark_unhealthy("r0", "/readyz answered 503")
+    d.mark_unhealthy("r0", "/readyz answered 503")  # still down: once
+    assert d.health_downs == 3
 
 
 @pytest.mark.parametrize(
