@@ -1,129 +1,202 @@
-"""Attention over the paged KV pool, for a flat batch of prefill and decode tokens.
+"""Attention over the paged KV pool, reading the pool in place.
 
-A step's tokens are packed into one ``[tokens, ...]`` batch: every prefill's computed
-tokens (``M..N-1``) first, then one token per decoding sequence. The linear layers run
-on the whole packed batch at once; only attention needs to know where sequences start
-and end, and that is what :class:`AttentionMetadata` says.
+Each layer writes the step's new K/V into their pool slots, then attends. A sequence's
+context arrives in pieces (see :mod:`.attention_plan`): runs of consecutive blocks read
+as strided views of the pool, a few short runs gathered into one small buffer, and the
+step's own new tokens. Each piece gives a partial attention and its log-sum-exp; the
+pieces merge exactly (the online-softmax identity), so no piece ever needs the whole
+context in one tensor, and nothing ``[queries, context]``-sized is ever built.
 
-Each layer first writes the new tokens' K/V into their pool slots, then reads every
-sequence's context (cached prefix and new tokens alike) back from the pool. Reading
-the new tokens back instead of using them directly costs one small gather, and buys
-the property the cache depends on: a cached prefill and a cold prefill attend over
-bit-identical K/V, whatever the pool's dtype.
+Why this and not a single kernel: on the CPU, torch's flash kernel is the fastest
+attention there is, and the one entry that returns the log-sum-exp takes dense K/V, not
+a block table. ``flex_attention`` with a block mask would read the table itself, but
+on the CPU it needs an Inductor compile per shape (tens of seconds on 2 cores) and
+decode shapes change every step. Runs keep the calls few: a prompt prefilled into a
+fresh pool is one run, and a decode batch's shared prefix is one call for all lanes.
+
+The new tokens attend to their own K/V directly, after a round trip through the pool's
+dtype: exactly the values a later step reads back, so a cached prefill and a cold one
+see bit-identical K/V whatever the pool's dtype.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
+from .attention_cuda import cuda_paged_attention
+from .attention_plan import AttentionMetadata, DecodeSpan, PrefillSpan
 from .kv_pool import KVPool
 
+Partial = tuple[torch.Tensor, torch.Tensor]
+"""A partial attention: output ``[..., rows, D]`` and its float32 log-sum-exp ``[..., rows]``."""
 
-@dataclass(slots=True)
-class PrefillSpan:
-    """One prefilling sequence's rows in the packed batch."""
-
-    start: int  # first packed row (its token is at position num_cached)
-    end: int  # one past the last packed row
-    length: int  # N: the context attended over, positions 0..N-1
-    block_table: torch.Tensor  # [ceil(N / block_size)] blocks holding positions 0..N-1
-
-    @property
-    def num_cached(self) -> int:
-        """M: the cached positions before the first computed row."""
-        return self.length - (self.end - self.start)
-
-
-@dataclass(slots=True)
-class DecodeSpan:
-    """All decoding sequences: the last ``batch`` rows of the packed batch."""
-
-    start: int  # first decode row; decode rows run to the end of the batch
-    block_table: torch.Tensor  # [batch, nb] blocks of positions 0..nb*block_size-1, padded
-    mask: torch.Tensor  # [batch, 1, 1, nb*block_size] bool, True = a position <= the query's
-
-
-@dataclass(slots=True)
-class AttentionMetadata:
-    """Everything attention needs about one step's packed batch."""
-
-    slot_mapping: torch.Tensor  # [tokens] where each packed row's new K/V is written
-    prefills: list[PrefillSpan]  # in packed order
-    decode: DecodeSpan | None  # None when the step has no decoding sequences
-
-
-# NOTE: where causal_lower_right has no fused kernel (off the CPU path below, e.g. a
-# float32 CUDA tensor with GQA), SDPA materializes its [n, N] mask; queries in chunks of
-# this size bound that mask to [QUERY_CHUNK, N], linear in the context.
-QUERY_CHUNK = 1024
-
-# NOTE: private, but the only CPU SDPA entry that returns the log-sum-exp needed to
-# merge two partial attentions; absent, the portable lower-right bias is used.
+# NOTE: private, but the only CPU SDPA entry that returns the log-sum-exp that merging
+# partial attentions needs; absent (or for another dtype), the float32 math path runs.
 _CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
+# NOTE: the math path's scores are [rows, keys] per head; rows in chunks of this many
+# bound them to [QUERY_CHUNK, keys], linear in the context.
+QUERY_CHUNK = 1024
 
-def _cpu_flash(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """CPU flash attention (GQA native): the output ``[1, H, n, D]`` and its
-    natural-log log-sum-exp ``[1, H, n]`` (float32)."""
+
+def _use_flash(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and _CPU_FLASH is not None and q.dtype in _CPU_FLASH_DTYPES
+
+
+def _flash_partial(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bias: torch.Tensor | None
+) -> Partial:
     assert _CPU_FLASH is not None
-    out, lse = _CPU_FLASH(q, k, v, 0.0, causal)[:2]
+    mask = None if bias is None else bias.to(q.dtype)
+    out, lse = _CPU_FLASH(q, k, v, 0.0, causal, attn_mask=mask)[:2]
     return out, lse
 
 
-def _prefix_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Lower-right causal attention as two mask-free flash calls merged by log-sum-exp.
+def _math_partial(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bias: torch.Tensor | None
+) -> Partial:
+    """Plain float32 attention with its log-sum-exp, on any device (the fallback and
+    the reference). Causal is lower-right: query ``i`` of ``n`` over ``N`` keys sees
+    keys ``0..N-n+i``."""
+    group = q.shape[1] // k.shape[1]
+    k32 = k.float().repeat_interleave(group, 1) if group > 1 else k.float()
+    v32 = v.float().repeat_interleave(group, 1) if group > 1 else v.float()
+    rows, keys = q.shape[2], k.shape[2]
+    scale = q.shape[-1] ** -0.5
+    outs: list[torch.Tensor] = []
+    lses: list[torch.Tensor] = []
+    for i0 in range(0, rows, QUERY_CHUNK):
+        i1 = min(rows, i0 + QUERY_CHUNK)
+        s = torch.matmul(q[:, :, i0:i1].float(), k32.transpose(-1, -2)) * scale
+        if bias is not None:
+            s = s + bias.float()
+        if causal:
+            row = torch.arange(i0, i1, device=q.device)[:, None] + (keys - rows)
+            s = s.masked_fill(torch.arange(keys, device=q.device)[None, :] > row, float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        # A fully masked row has lse -inf: output 0 (and lse -inf) rather than NaN.
+        shift = lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1)
+        outs.append(torch.matmul(torch.exp(s - shift), v32))
+        lses.append(lse)
+    return torch.cat(outs, 2).to(q.dtype), torch.cat(lses, 2)
 
-    NOTE: on the CPU, ``causal_lower_right`` falls back to materializing its ``[n, N]``
-    mask, and SDPA then converts that to an ``[n, N]`` float bias. Every query sees the
-    whole cached prefix ``0..M-1`` (no mask) and, among the new keys ``M..N-1``, the plain
-    causal square (``is_causal`` on an ``n x n`` block is lower-right). Measured on this
-    2-core machine, tiny model's shapes (4 heads, 2 KV heads, head_dim 16), one call:
-    n=336 over N=6000, 20-34 ms with the chunked explicit mask, 34 ms with
-    ``causal_lower_right``, 11-24 ms split; n=1768 over N=32768, 0.7-1.1 s explicit,
-    0.38-0.62 s split. A whole tiny-model prefill of 336 tokens over a 5,664-token cached
-    prefix: 13.3-14.6 ms before, 9.4-9.8 ms split (best of 10). Peak extra memory is
-    two ``[H, n, D]`` partial outputs and their weights; no ``[n, N]`` tensor.
-    """
-    m = k.shape[2] - q.shape[2]  # > 0: the split relies on a non-empty prefix
-    o1, l1 = _cpu_flash(q, k[:, :, :m], v[:, :, :m], causal=False)
-    o2, l2 = _cpu_flash(q, k[:, :, m:], v[:, :, m:], causal=True)
-    lse = torch.logaddexp(l1, l2)
-    w1 = torch.exp(l1 - lse).unsqueeze(-1)
-    w2 = torch.exp(l2 - lse).unsqueeze(-1)
-    return (o1.float() * w1 + o2.float() * w2).to(q.dtype)
+
+def partial_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    bias: torch.Tensor | None = None,
+) -> Partial:
+    """Attention of ``q`` ``[b, Hq, rows, D]`` over ``k``/``v`` ``[b, Hkv, keys, D]``
+    (``Hq`` a multiple of ``Hkv``), with an additive ``bias`` broadcastable to
+    ``[b, Hq, rows, keys]``; returns the output and its log-sum-exp."""
+    if _use_flash(q):
+        return _flash_partial(q, k, v, causal, bias)
+    return _math_partial(q, k, v, causal, bias)
 
 
-def _prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention of ``n`` queries that follow a cached prefix: ``[1, H, n, D]``.
-
-    Query ``i`` (position ``N-n+i``) sees keys ``0..N-n+i``: the lower-right causal mask.
-    """
-    n, total = q.shape[2], k.shape[2]
-    if q.device.type == "cpu" and _CPU_FLASH is not None and q.dtype in _CPU_FLASH_DTYPES:
-        return _prefix_attention_cpu(q, k, v)
-    if n <= QUERY_CHUNK:
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=causal_lower_right(n, total), enable_gqa=True
-        )
-    out = torch.empty_like(q)
-    for i0 in range(0, n, QUERY_CHUNK):
-        i1 = min(n, i0 + QUERY_CHUNK)
-        keys = total - n + i1  # the chunk's last query sees keys 0..keys-1
-        out[:, :, i0:i1] = F.scaled_dot_product_attention(
-            q[:, :, i0:i1],
-            k[:, :, :keys],
-            v[:, :, :keys],
-            attn_mask=causal_lower_right(i1 - i0, keys),
-            enable_gqa=True,
-        )
+def merge(parts: list[Partial]) -> torch.Tensor:
+    """Combine partial attentions over disjoint key sets into the full attention
+    (float32). Every row needs at least one part with a finite log-sum-exp."""
+    if len(parts) == 1:
+        return parts[0][0].float()
+    lse = torch.stack([lse for _, lse in parts])
+    weights = torch.exp(lse - torch.logsumexp(lse, 0)).unsqueeze(-1)
+    out = parts[0][0].float() * weights[0]
+    for i in range(1, len(parts)):
+        out += parts[i][0].float() * weights[i]
     return out
+
+
+def _fold(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``[rows, H, D]`` queries as ``[1, kv_heads, rows * group, D]``.
+
+    NOTE: every query head of a GQA group reads the same K/V head, so the group's heads
+    become extra query rows of one KV head: the kernel then streams each K/V head once
+    instead of once per query head. On the CPU a 1-token decode over 4k positions took
+    0.3-0.5 ms folded against 3.5 ms with the kernel's own GQA handling.
+    """
+    rows, heads, dim = q.shape
+    group = heads // kv_heads
+    return q.reshape(rows, kv_heads, group, dim).transpose(0, 1).reshape(1, kv_heads, -1, dim)
+
+
+def _unfold(part: Partial, rows: int) -> Partial:
+    """A folded partial back as ``[rows, H, D]`` and ``[rows, H]``."""
+    out, lse = part
+    kv_heads, dim = out.shape[1], out.shape[-1]
+    out = out.reshape(kv_heads, rows, -1, dim).transpose(0, 1).reshape(rows, -1, dim)
+    lse = lse.reshape(kv_heads, rows, -1).transpose(0, 1).reshape(rows, -1)
+    return out, lse
+
+
+def _prefill(
+    layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool, span: PrefillSpan
+) -> torch.Tensor:
+    """``[n, H, D]`` attention of one prefill's rows (``k``/``v`` its new tokens')."""
+    qs = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    ks, vs = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    if span.num_cached == 0:
+        res = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        return res[0].transpose(0, 1)
+    rows, kv_heads = q.shape[0], k.shape[1]
+    own = partial_attention(qs, ks, vs, causal=True)
+    parts = [(own[0][0].transpose(0, 1), own[1][0].transpose(0, 1))]
+    qf = _fold(q, kv_heads)
+    for seg in span.segments:
+        ck, cv = pool.segment(layer, seg.block, seg.tokens)
+        parts.append(_unfold(partial_attention(qf, ck.unsqueeze(0), cv.unsqueeze(0)), rows))
+    if span.gathered is not None:
+        ck, cv = pool.gather_blocks(layer, span.gathered)
+        parts.append(_unfold(partial_attention(qf, ck.unsqueeze(0), cv.unsqueeze(0)), rows))
+    return merge(parts)
+
+
+def _decode(layer: int, q: torch.Tensor, pool: KVPool, span: DecodeSpan) -> torch.Tensor:
+    """``[batch, H, D]`` attention of the decode rows (their K/V already in the pool)."""
+    batch, heads, dim = q.shape
+    kv_heads = pool.shape.num_kv_heads
+    parts: list[Partial] = []
+    if span.shared:
+        qf = _fold(q, kv_heads)
+        for seg in span.shared:
+            ck, cv = pool.segment(layer, seg.block, seg.tokens)
+            parts.append(_unfold(partial_attention(qf, ck.unsqueeze(0), cv.unsqueeze(0)), batch))
+    if span.lane_segments:
+        if batch == 1 and len(span.lane_segments) == 1 and not parts and span.rest is None:
+            # The common lone-sequence case: one run, no merge.
+            ck, cv = pool.segment(
+                layer, span.lane_segments[0][1].block, span.lane_segments[0][1].tokens
+            )
+            return _unfold(partial_attention(_fold(q, kv_heads), ck[None], cv[None]), 1)[0]
+        per_lane: dict[int, list[Partial]] = {}
+        for lane, seg in span.lane_segments:
+            ck, cv = pool.segment(layer, seg.block, seg.tokens)
+            qf = _fold(q[lane : lane + 1], kv_heads)
+            part = _unfold(partial_attention(qf, ck.unsqueeze(0), cv.unsqueeze(0)), 1)
+            per_lane.setdefault(lane, []).append(part)
+        # Lanes with no long private run contribute nothing here: weight exp(-inf) = 0.
+        lane_out = q.new_zeros(batch, heads, dim, dtype=torch.float32)
+        lane_lse = q.new_full((batch, heads), float("-inf"), dtype=torch.float32)
+        for lane, lane_parts in per_lane.items():
+            lane_out[lane] = merge(lane_parts)[0]
+            lane_lse[lane] = torch.logsumexp(torch.stack([lse for _, lse in lane_parts]), 0)[0]
+        parts.append((lane_out, lane_lse))
+    if span.rest is not None:
+        ck, cv = pool.gather_blocks(layer, span.rest)  # [batch, Hkv, P * bs, D]
+        q4 = q.reshape(batch, kv_heads, heads // kv_heads, dim)  # the group as query rows
+        o, lse = partial_attention(q4, ck, cv, bias=span.rest_bias)
+        lse = lse.reshape(batch, heads)
+        if span.rest_empty is not None:
+            # NOTE: the CPU kernel reports a fully masked row as output 0 with a
+            # log-sum-exp of 0, not -inf; such a lane must weigh nothing in the merge.
+            lse = lse.masked_fill(span.rest_empty[:, None], float("-inf"))
+        parts.append((o.reshape(batch, heads, dim), lse))
+    return merge(parts)
 
 
 def paged_attention(
@@ -136,33 +209,23 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write ``k``/``v`` for the packed rows, then attend; returns ``[tokens, q_heads, D]``.
 
-    NOTE: prefills run one SDPA call per sequence (a Python loop over sequences, not
-    tokens): their lengths differ wildly (one 8k prompt next to a 20-token one), and
-    padding them to one rectangle would waste more than the per-call overhead costs.
-    Decodes are one padded, masked SDPA call for the whole batch.
+    NOTE: prefills run per sequence (a Python loop over sequences, not tokens): their
+    lengths differ wildly (one 8k prompt next to a 20-token one), and padding them to
+    one rectangle would waste more than the per-call overhead costs.
     """
     pool.write(layer, meta.slot_mapping, k, v)
+    if meta.varlen is not None:
+        vm = meta.varlen
+        k_cache, v_cache = pool.head_major(layer)
+        return cuda_paged_attention(
+            q, k_cache, v_cache, vm.cu_seqlens_q, vm.seq_lens, vm.block_tables, vm.max_q, vm.max_k
+        )
+    if pool.shape.dtype != q.dtype:
+        k, v = k.to(pool.shape.dtype).to(q.dtype), v.to(pool.shape.dtype).to(q.dtype)
     out = torch.empty_like(q)
     for span in meta.prefills:
-        ck, cv = pool.gather_blocks(layer, span.block_table)  # [Hkv, nb*bs, D]
-        # The last block's tail is not context; [1, Hkv, N, D] is SDPA's layout.
-        ck = ck[:, : span.length].to(q.dtype).unsqueeze(0)
-        cv = cv[:, : span.length].to(q.dtype).unsqueeze(0)
-        qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
-        if span.num_cached == 0:
-            res = F.scaled_dot_product_attention(qs, ck, cv, is_causal=True, enable_gqa=True)
-        else:
-            res = _prefix_attention(qs, ck, cv)
-        out[span.start : span.end] = res[0].transpose(0, 1)
+        rows = slice(span.start, span.end)
+        out[rows] = _prefill(layer, q[rows], k[rows], v[rows], pool, span)
     if meta.decode is not None:
-        d = meta.decode
-        ck, cv = pool.gather_blocks(layer, d.block_table)  # [B, Hkv, nb*bs, D]
-        res = F.scaled_dot_product_attention(
-            q[d.start :].unsqueeze(2),  # [B, H, 1, D]
-            ck.to(q.dtype),
-            cv.to(q.dtype),
-            attn_mask=d.mask,
-            enable_gqa=True,
-        )
-        out[d.start :] = res.squeeze(2)
+        out[meta.decode.start :] = _decode(layer, q[meta.decode.start :], pool, meta.decode)
     return out

@@ -1,4 +1,11 @@
-"""What one engine step takes and returns."""
+"""What one engine step takes and returns.
+
+``seq_id``: a caller that runs a sequence over many steps names it, and the engine
+keeps its block table between steps, reading only the blocks appended since (host
+work per step linear in the batch, not the context). The caller must call
+``Engine.forget(seq_id)`` when the sequence ends or gets other blocks (a preemption);
+``None`` rebuilds the table every step.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ class PrefillRequest:
     token_ids: Sequence[int]  # the whole prompt (cached part included)
     block_table: Sequence[int]  # block ids covering at least positions 0..len(token_ids)-1
     num_cached_tokens: int = 0  # M: positions 0..M-1 are already in the pool; M < N
+    seq_id: int | None = None  # keeps the engine's copy of the table across steps; see below
 
 
 @dataclass(slots=True)
@@ -28,6 +36,7 @@ class DecodeRequest:
     token_id: int  # the token at `position` (the last one sampled)
     position: int  # its absolute position
     block_table: Sequence[int]  # block ids covering at least positions 0..position
+    seq_id: int | None = None  # keeps the engine's copy of the table across steps; see below
 
 
 @dataclass(slots=True)

@@ -72,6 +72,7 @@ class Engine:
         self._eos_ids = frozenset(i for i in ids if i is not None)
         self.fault_hook: LayerHook | None = None  # see the class docstring
         self._workers: TPWorkers | None = None
+        self._forgotten: list[int] = []  # seq ids the TP workers have yet to forget
         self._threads_before: int | None = None
         if config.tensor_parallel_size == 1:
             self.runner = ModelRunner(model_config, config, model_dir=folder, seed=seed)
@@ -142,13 +143,13 @@ class Engine:
 
     # -- steps -----------------------------------------------------------------------
 
-    def _check_table(self, table: Sequence[int], num_tokens: int, what: str) -> None:
-        need = math.ceil(num_tokens / self.block_size)
-        if len(table) < need:
-            raise ValueError(f"{what}: block table has {len(table)} blocks, {need} needed")
-        for b in table[:need]:
-            if not 0 <= b < self.num_blocks:
-                raise ValueError(f"{what}: block id {b} outside 0..{self.num_blocks - 1}")
+    def _check_table(
+        self, seq_id: int | None, table: Sequence[int], num_tokens: int, what: str
+    ) -> None:
+        # NOTE: through the driver's persistent tables, which validate each block once,
+        # when it is appended: by the time the step is broadcast to TP workers, every
+        # block id they will read has been checked here.
+        self.runner.tables.get(seq_id, table, math.ceil(num_tokens / self.block_size), what)
 
     def _check_tokens(self, ids: Sequence[int], what: str) -> None:
         if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
@@ -170,13 +171,13 @@ class Engine:
             if n > self.max_model_len:
                 raise ValueError(f"{what}: {n} tokens exceed max_model_len {self.max_model_len}")
             self._check_tokens(p.token_ids, what)
-            self._check_table(p.block_table, n, what)
+            self._check_table(p.seq_id, p.block_table, n, what)
         for i, d in enumerate(decodes):
             what = f"decode {i}"
             if not 0 <= d.position < self.max_model_len:
                 raise ValueError(f"{what}: position {d.position} outside the model's context")
             self._check_tokens([d.token_id], what)
-            self._check_table(d.block_table, d.position + 1, what)
+            self._check_table(d.seq_id, d.block_table, d.position + 1, what)
 
     def step(
         self,
@@ -197,15 +198,23 @@ class Engine:
         self.validate(prefills, decodes)
         hook = self.fault_hook
         if self._workers is not None:
-            broadcast_plan(
-                StepPlan(prefills=prefills, decodes=decodes, check_faults=hook is not None),
-                self.device,
+            forget, self._forgotten = self._forgotten, []
+            plan = StepPlan(
+                prefills=prefills, decodes=decodes, check_faults=hook is not None, forget=forget
             )
+            broadcast_plan(plan, self.device)
             if hook is not None:
                 hook = driver_layer_hook(hook, self.device)
         out = self.runner.execute(prefills, decodes, all_logits=all_logits, layer_hook=hook)
         assert out is not None, "rank 0 always returns logits"
         return out
+
+    def forget(self, seq_id: int) -> None:
+        """Drop what the engine keeps about sequence ``seq_id`` (its block table): call
+        it when the sequence ends or is given other blocks."""
+        self.runner.forget([seq_id])
+        if self._workers is not None:
+            self._forgotten.append(seq_id)  # the workers drop it before the next step
 
     def prefill(self, batch: Sequence[PrefillRequest], *, all_logits: bool = False) -> StepOutput:
         """A step of prefills only."""

@@ -140,6 +140,21 @@ class KVPool:
         self._slots(layer, 0).index_copy_(1, slots, k.to(dtype).transpose(0, 1))
         self._slots(layer, 1).index_copy_(1, slots, v.to(dtype).transpose(0, 1))
 
+    def head_major(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V as stored, ``[kv_heads, num_blocks, block_size, head_dim]``
+        (views): what a paged kernel reads through block tables."""
+        return self._data[layer, 0], self._data[layer, 1]
+
+    def segment(self, layer: int, block: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[kv_heads, tokens, head_dim]`` of ``tokens`` slots starting at block
+        ``block``'s first, through consecutive blocks: strided views of the pool, no copy."""
+        s = self.shape
+        blocks = -(-tokens // s.block_size)
+        shape = (s.num_kv_heads, blocks * s.block_size, s.head_dim)
+        k = self._data[layer, 0, :, block : block + blocks].view(shape)[:, :tokens]
+        v = self._data[layer, 1, :, block : block + blocks].view(shape)[:, :tokens]
+        return k, v
+
     def _buffers(self, elements: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Two flat scratch buffers of at least ``elements`` values each."""
         if self._scratch is None or self._scratch[0].numel() < elements:

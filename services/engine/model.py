@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionMetadata, paged_attention
+from .attention import paged_attention
+from .attention_plan import AttentionMetadata
 from .config import ModelConfig
 from .kv_pool import KVPool
 from .rotary import Rotary, apply_rotary
@@ -44,6 +45,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # NOTE: the fused kernel: one op instead of five, the same formula as below.
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # NOTE: normalise in float32 like HF does; bf16 variance loses too much.
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -94,13 +98,17 @@ class LlamaAttention(nn.Module):
         t = x.shape[0]
         if self.qkv_weight is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q = q.view(t, self.num_heads, self.head_dim)
+            k = k.view(t, self.num_kv_heads, self.head_dim)
+            v = v.view(t, self.num_kv_heads, self.head_dim)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         else:
-            nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split((nq, nkv, nkv), -1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            heads = self.num_heads + 2 * self.num_kv_heads
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(t, heads, self.head_dim)
+            # NOTE: q and k sit side by side in the fused output: one rotation for both.
+            qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            v = qkv[:, self.num_heads + self.num_kv_heads :]
         attn = paged_attention(layer, q, k, v, pool, meta)
         out: torch.Tensor = self.o_proj(attn.reshape(t, self.num_heads * self.head_dim))
         if self.tp_size > 1:

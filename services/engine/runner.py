@@ -6,6 +6,7 @@ the same :meth:`ModelRunner.execute` on the same requests; only rank 0 computes 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,13 +14,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .attention import AttentionMetadata, DecodeSpan, PrefillSpan
+from .attention_cuda import cuda_paged_attention_available
+from .attention_plan import (
+    AttentionMetadata,
+    DecodeSpan,
+    PrefillSpan,
+    plan_decode,
+    plan_prefill,
+    plan_varlen,
+)
 from .batch import DecodeRequest, PrefillRequest, StepOutput
+from .block_tables import BlockTables, SeqTable
 from .config import EngineConfig, ModelConfig
 from .device import resolve_device, resolve_dtype
-from .kv_pool import KVPool, KVPoolShape, blocks_for_budget, cuda_kv_budget, slot_mapping
+from .kv_pool import KVPool, KVPoolShape, blocks_for_budget, cuda_kv_budget
 from .model import LayerHook, LlamaForCausalLM, build_model, weight_bytes
 from .weights import RandomWeights, WeightSource, open_weights
+
+log = logging.getLogger(__name__)
 
 
 def activation_reserve_bytes(
@@ -76,6 +88,17 @@ class ModelRunner:
             finally:
                 st.close()
         self.pool = KVPool(self._pool_shape(free_before), self.device)
+        self.tables = BlockTables(self.pool.num_blocks)  # persistent, keyed by seq_id
+        # NOTE: on CUDA one paged varlen kernel reads the block tables itself; where it
+        # cannot run (block size, dtype, GPU generation) attention takes the portable
+        # path of runs and gathers, and the reason is logged once.
+        self.paged_kernel = False
+        if self.device.type == "cuda":
+            self.paged_kernel, why = cuda_paged_attention_available(
+                self.pool.block_size, self.dtype
+            )
+            if not self.paged_kernel:
+                log.warning("CUDA paged attention kernel not used: %s", why)
 
     def _build(self, source: WeightSource) -> LlamaForCausalLM:
         return build_model(
@@ -123,49 +146,60 @@ class ModelRunner:
             dtype=probe.dtype,
         )
 
+    def forget(self, seq_ids: Sequence[int]) -> None:
+        """Drop the persistent tables of sequences that ended or were reallocated."""
+        for seq_id in seq_ids:
+            self.tables.forget(seq_id)
+
     def _metadata(
         self, prefills: Sequence[PrefillRequest], decodes: Sequence[DecodeRequest]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Packed input ids, positions and attention metadata, built with index tensors."""
+        """Packed input ids, positions and attention metadata.
+
+        NOTE: host work here is per sequence and per run of blocks, never per cached
+        block: tables come from :class:`BlockTables`, which only reads what a sequence
+        appended since its last step.
+        """
         dev, bs = self.device, self.pool.block_size
         ids: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
         spans: list[PrefillSpan] = []
+        kernel_rows: list[tuple[SeqTable, tuple[int, int]]] = []  # (table, (queries, keys))
         row = 0
-        for r in prefills:
+        for i, r in enumerate(prefills):
             n, m = len(r.token_ids), r.num_cached_tokens
-            table = torch.tensor(r.block_table[: math.ceil(n / bs)], dtype=torch.long, device=dev)
+            table = self.tables.get(r.seq_id, r.block_table, -(-n // bs), f"prefill {i}")
+            kernel_rows.append((table, (n - m, n)))
             ids.extend(r.token_ids[m:])
-            positions.append(torch.arange(m, n, dtype=torch.long, device=dev))
-            slots.append(slot_mapping(table, m, n, bs))
-            spans.append(PrefillSpan(row, row + n - m, n, table))
+            first = m // bs
+            new_blocks = torch.tensor(table.blocks[first : -(-n // bs)], dtype=torch.long)
+            pos = torch.arange(m, n, dtype=torch.long)
+            slots.append(new_blocks[pos // bs - first] * bs + pos % bs)
+            positions.append(pos)
+            spans.append(plan_prefill(table, row, row + n - m, m, n, bs, dev))
             row += n - m
         decode: DecodeSpan | None = None
+        seq_tables = [t for t, _ in kernel_rows]
         if decodes:
-            length = max(d.position for d in decodes) + 1
-            nb = math.ceil(length / bs)
-            # NOTE: shorter tables are padded with block 0; the mask hides those lanes.
-            table = torch.tensor(
-                [
-                    list(d.block_table[:nb]) + [0] * (nb - min(nb, len(d.block_table)))
-                    for d in decodes
-                ],
-                dtype=torch.long,
-                device=dev,
-            )
-            # NOTE: attention reads whole blocks (nb * bs positions); the mask hides the
-            # tail of each lane's last block and the padded lanes' blocks.
-            lane = torch.arange(nb * bs, dtype=torch.long, device=dev)
-            pos = torch.tensor([d.position for d in decodes], dtype=torch.long, device=dev)
-            mask = (lane[None, :] <= pos[:, None])[:, None, None, :]
+            tables = [
+                self.tables.get(d.seq_id, d.block_table, d.position // bs + 1, f"decode {i}")
+                for i, d in enumerate(decodes)
+            ]
+            at = [d.position for d in decodes]
+            seq_tables.extend(tables)
+            kernel_rows.extend((t, (1, p + 1)) for t, p in zip(tables, at, strict=True))
+            decode, decode_slots = plan_decode(tables, at, row, bs, dev)
             ids.extend(d.token_id for d in decodes)
-            positions.append(pos)
-            slots.append(table.gather(1, (pos // bs)[:, None]).squeeze(1) * bs + pos % bs)
-            decode = DecodeSpan(row, table, mask)
+            positions.append(torch.tensor(at, dtype=torch.long))
+            slots.append(torch.tensor(decode_slots, dtype=torch.long))
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        meta = AttentionMetadata(torch.cat(slots), spans, decode)
-        return input_ids, torch.cat(positions), meta
+        meta = AttentionMetadata(torch.cat(slots).to(dev), spans, decode)
+        if self.paged_kernel:
+            rows = [q for _, (q, _) in kernel_rows]
+            keys = [k for _, (_, k) in kernel_rows]
+            meta.varlen = plan_varlen(seq_tables, rows, keys, dev)
+        return input_ids, torch.cat(positions).to(dev), meta
 
     def execute(
         self,

@@ -57,38 +57,66 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 MIN_TEMPERATURE = 1e-5
 
 
-def _filter_top_k_top_p(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Zero out everything outside the top-k / nucleus of a ``[vocab]`` distribution."""
-    sorted_probs, order = probs.sort(descending=True)
-    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
-    if top_k > 0:
-        keep[top_k:] = False
-    if top_p < 1.0:
-        # NOTE: keep a token while the mass *before* it is under top_p, so the token
-        # that crosses the threshold is kept.
-        before = sorted_probs.cumsum(0) - sorted_probs
-        keep &= before < top_p
-    # NOTE: the likeliest token always stays: a top_p below float32's smallest value
-    # (1e-50 rounds to 0.0, and 0.0 < 0.0 is false) would otherwise keep nothing.
-    keep[0] = True
-    filtered = torch.zeros_like(probs)
-    filtered[order[keep]] = sorted_probs[keep]
-    return filtered
+def _draw_uniform(gen: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """One uniform in [0, 1) on ``device``, from the row's own generator (or torch's)."""
+    return torch.rand((), generator=gen, device=device)
 
 
-def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    """One token from one ``[vocab]`` row of logits with no NaN (they are -inf by now)."""
-    x = row.to(torch.float32)
-    top = x.max()
-    if p.temperature < MIN_TEMPERATURE or not bool(torch.isfinite(top)):
-        # +inf is a certain choice (and inf - inf is NaN); all -inf has no distribution.
-        return int(x.argmax())
+def _inverse_cdf(probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``[m, 1]`` indices: where each row's cumulative mass passes ``target`` times its
+    total (``target`` in [0, 1), ``[m, 1]``).
+
+    NOTE: a zero-mass token never passes (its cdf equals its predecessor's); the clamp
+    only catches rounding at the very top, onto the last token with mass.
+    """
+    cdf = probs.cumsum(dim=-1)
+    idx = torch.searchsorted(cdf, target * cdf[:, -1:], right=True)
+    last = (probs > 0).cumsum(dim=-1).argmax(dim=-1, keepdim=True)
+    return torch.minimum(idx, last)
+
+
+def _sample_rows(
+    x: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tensor
+) -> torch.Tensor:
+    """One token per row of ``[m, vocab]`` clean logits, by inverse-CDF sampling with
+    the per-row uniforms ``u`` (``[m]``). Returns ``[m]`` token ids on the device."""
+    x = x.to(torch.float32)
+    device = x.device
+    vocab = x.shape[-1]
+    top = x.max(dim=-1, keepdim=True).values
+    # +inf is a certain choice (and inf - inf is NaN); all -inf has no distribution.
+    finite = torch.isfinite(top).squeeze(-1)
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
     # NOTE: shifted by the max, the largest term is exp(0) = 1, so the softmax can neither
-    # overflow nor sum to zero, whatever the temperature and the logits' dtype.
-    probs = torch.softmax((x - top) / p.temperature, dim=-1)
-    if p.top_k > 0 or p.top_p < 1.0:
-        probs = _filter_top_k_top_p(probs, p.top_k, p.top_p)
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+    # overflow nor sum to zero, whatever the temperature and the logits' dtype. Rows
+    # without a finite max are shifted by 0 instead; their draw is replaced below.
+    shift = torch.where(finite.unsqueeze(-1), top, torch.zeros_like(top))
+    probs = torch.softmax((x - shift) / temps.unsqueeze(-1), dim=-1)
+    probs = torch.nan_to_num(probs, nan=0.0)
+    target = u.to(torch.float32).unsqueeze(-1)
+    picked = _inverse_cdf(probs, target)
+    filters = [p.top_k > 0 or p.top_p < 1.0 for p in params]
+    if any(filters):
+        # NOTE: only filtering rows sample over the sorted order: a row's token must not
+        # depend on whether a neighbour filters (the draw maps to a different token once
+        # the order changes).
+        ranked, order = probs.sort(dim=-1, descending=True, stable=True)
+        ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        rank = torch.arange(vocab, device=device).unsqueeze(0)
+        keep = rank < torch.tensor(ks, device=device).unsqueeze(-1)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        top_p = top_p.unsqueeze(-1)
+        # NOTE: keep a token while the mass *before* it is under top_p, so the token
+        # that crosses the threshold is kept (and top_p 1 keeps all, rounding or not).
+        before = ranked.cumsum(dim=-1) - ranked
+        keep &= (before < top_p) | (top_p >= 1.0)
+        # NOTE: the likeliest token always stays: a top_p below float32's smallest value
+        # (1e-50 rounds to 0.0, and 0.0 < 0.0 is false) would otherwise keep nothing.
+        keep[:, 0] = True
+        filtered = order.gather(-1, _inverse_cdf(ranked * keep, target))
+        mask = torch.tensor(filters, device=device).unsqueeze(-1)
+        picked = torch.where(mask, filtered, picked)
+    return torch.where(finite, picked.squeeze(-1), x.argmax(dim=-1))
 
 
 def sample_each(
@@ -99,19 +127,37 @@ def sample_each(
     """One token per row of ``[batch, vocab]`` float logits, or the exception that row
     raised: one row's failure never costs its batch neighbours their token.
 
-    Greedy rows are one batched argmax; sampled rows go one by one, because each has
-    its own generator (a seeded sequence must not depend on its batch neighbours).
+    Batched: greedy rows are one argmax; sampled rows are one set of tensor ops
+    (temperature, top-k, top-p, inverse-CDF draw), and every id crosses to the host in
+    a single ``tolist()``. Each sampled row draws its one uniform from its own
+    generator, so a seeded sequence never depends on its batch neighbours.
     """
     # NOTE: torch.argmax ranks NaN above everything; a NaN logit is no evidence at all.
     clean = logits.masked_fill(logits.isnan(), float("-inf"))
-    out: list[int | Exception] = [int(t) for t in clean.argmax(dim=-1).tolist()]
+    ids = clean.argmax(dim=-1)
+    failed: dict[int, Exception] = {}
+    rows: list[int] = []
+    draws: list[torch.Tensor] = []
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
-        if p.greedy:
+        # NOTE: below MIN_TEMPERATURE the row is the argmax and draws nothing, as greedy.
+        if p.temperature < MIN_TEMPERATURE:
             continue
         try:
-            out[row] = _sample_row(clean[row], p, gen)
+            draws.append(_draw_uniform(gen, clean.device))
         except Exception as exc:  # a bad generator, a device error: this row only
-            out[row] = exc
+            failed[row] = exc
+            continue
+        rows.append(row)
+    if rows:
+        try:
+            index = torch.tensor(rows, device=clean.device)
+            picked = _sample_rows(clean[index], [params[r] for r in rows], torch.stack(draws))
+            ids = ids.index_copy(0, index, picked.to(ids.dtype))
+        except Exception as exc:  # the batch's own ops failed: its sampled rows fail
+            failed.update(dict.fromkeys(rows, exc))
+    out: list[int | Exception] = [int(t) for t in ids.tolist()]
+    for row, error in failed.items():
+        out[row] = error
     return out
 
 

@@ -49,6 +49,7 @@ class StepPlan:
     prefills: list[PrefillRequest] = field(default_factory=list)  # this step's prefills
     decodes: list[DecodeRequest] = field(default_factory=list)  # this step's decodes
     check_faults: bool = False  # rank 0 broadcasts an abort flag before every layer
+    forget: list[int] = field(default_factory=list)  # seq ids to drop before this step
 
 
 def free_port() -> int:
@@ -152,6 +153,7 @@ def worker_main(
             plan = broadcast_plan(None, runner.device)
             if plan.stop:
                 break
+            runner.forget(plan.forget)
             try:
                 runner.execute(
                     plan.prefills, plan.decodes, layer_hook=hook if plan.check_faults else None

@@ -35,6 +35,7 @@ class Allocation:
     """
 
     __slots__ = (
+        "_ids",
         "_num_published",
         "_pool",
         "block_hashes",
@@ -59,12 +60,18 @@ class Allocation:
         self.num_tokens = num_tokens  # token slots this table covers
         self.state = AllocationState.PENDING
         self._num_published = num_hit_blocks  # leading blocks already in the index
+        self._ids = [b.block_id for b in blocks]  # `blocks`' ids, kept in step with it
 
     # ------------------------------------------------------------------ views
 
     @property
     def block_ids(self) -> list[int]:
-        return [b.block_id for b in self.blocks]
+        """The block table's ids: a live list, not a copy; do not modify it.
+
+        NOTE: live so that handing the table to the engine every decode step costs
+        nothing: a copy would be linear in the context, every step, per sequence.
+        """
+        return self._ids
 
     @property
     def num_cached_tokens(self) -> int:
@@ -83,6 +90,7 @@ class Allocation:
         need = -(-num_tokens // self._pool.block_size) - len(self.blocks)
         added = self._pool.allocate(need) if need > 0 else []
         self.blocks.extend(added)
+        self._ids.extend(b.block_id for b in added)
         self.num_tokens = max(self.num_tokens, num_tokens)
         return added
 
@@ -116,6 +124,7 @@ class Allocation:
         self.state = AllocationState.ABORTED
         self._pool.free(reversed(self.blocks))
         self.blocks = []
+        self._ids = []
 
     def free(self) -> None:
         """The request finished: drop our references, chain tail first."""
@@ -123,6 +132,7 @@ class Allocation:
         self.state = AllocationState.FREED
         self._pool.free(reversed(self.blocks))
         self.blocks = []
+        self._ids = []
 
     def close(self) -> None:
         """Abort if pending, free if committed, nothing if already done. Idempotent."""

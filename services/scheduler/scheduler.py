@@ -10,11 +10,11 @@ step boundary. That keeps kvcore lock-free and the block tables stable under the
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -108,7 +108,11 @@ class Scheduler:
         clock: Callable[[], float] = monotonic_clock,
         sink: EventSink | None = None,
         on_finish: FinishHook | None = None,
+        num_blocks: int | None = None,
     ) -> None:
+        """``num_blocks`` caps the pool at that many of the engine's blocks (default:
+        all): benchmarks on a GPU, whose engine sizes its pool by free memory, use it to
+        run on a pool of a chosen size. It must hold one max_model_len sequence."""
         self.engine = engine
         self.settings = settings
         self.name = settings.name
@@ -117,8 +121,15 @@ class Scheduler:
         self.max_model_len = engine.max_model_len
         # The random model's turn length (0 = none); a checkpoint ends its own turns.
         self._random_turn = settings.random_turn_tokens if engine.model_dir is None else 0
+        blocks = engine.num_blocks if num_blocks is None else num_blocks
+        least = -(-engine.max_model_len // engine.block_size)
+        if not least <= blocks <= engine.num_blocks:
+            raise ValueError(
+                f"num_blocks {blocks} must be within {least}..{engine.num_blocks}: at least "
+                f"one max_model_len ({engine.max_model_len}) sequence, at most the engine's"
+            )
         self.pool = BlockPool(
-            engine.num_blocks,
+            blocks,
             engine.block_size,
             retained_share=settings.retained_share,
             owner_share=settings.org_retained_share,
@@ -132,7 +143,10 @@ class Scheduler:
         self.manager.clear()
         self.sink: EventSink = sink or CountingSink()
         self.on_finish = on_finish
-        self.waiting: deque[SequenceState] = deque()
+        # NOTE: kept sorted by `SequenceState.rank` (priority, then arrival): admission
+        # walks it in order, and a preempted sequence goes back to its rank's place.
+        self.waiting: list[SequenceState] = []
+        self._arrivals = 0  # submissions so far: each sequence's arrival number
         self.running: list[SequenceState] = []
         self.steps = 0  # engine steps run, ever
         self.preemptions = 0  # running sequences requeued to recompute, ever
@@ -244,9 +258,12 @@ class Scheduler:
             stopper=StopChecker(self.engine.tokenizer, params.stop),
             generator=make_generator(params, self.engine.device),
             otel_ctx=otel_context.get_current(),
+            priority=req.priority,
+            arrival=self._arrivals,
         )
+        self._arrivals += 1
         self._ids.add(request_id)
-        self.waiting.append(seq)
+        self._enqueue(seq)
         self._wake.set()
         return seq
 
@@ -297,8 +314,8 @@ class Scheduler:
         while not self._stopping:
             self._reap_cancelled()
             # NOTE: growth first, so running sequences get the blocks before newcomers;
-            # and no admission in a round that preempted, or the victim (now at the
-            # queue's head) would take back the blocks it just gave up.
+            # and no admission in a round that preempted, or the victim (back in the
+            # queue) would take back the blocks it just gave up.
             if not self._grow():
                 self._admit()
             batch = self._schedule()
@@ -344,24 +361,50 @@ class Scheduler:
         for seq in [s for s in (*self.waiting, *self.running) if s.cancelled]:
             self._finish(seq, error=CancelledRequestError("client disconnected"))
 
+    def _enqueue(self, seq: SequenceState) -> None:
+        """Into the waiting queue at its rank: by priority, FIFO within one."""
+        bisect.insort(self.waiting, seq, key=lambda q: q.rank)
+
     def _admit(self) -> None:
-        """FIFO admission while sequences and blocks allow.
+        """Admission in queue order (priority, then arrival) while sequences and blocks
+        allow, without head-of-line blocking.
 
         NOTE: admission reserves the prompt plus `decode_reserve_blocks` (never less
         than the first decode's slot), not prompt + max_tokens: a `max_tokens: 32000`
         must not hold 32,000 tokens of KV it may never use. Running sequences grow one
-        block at a time in `_grow`, which preempts the newest when the pool is full.
+        block at a time in `_grow`, which preempts the lowest-priority one when full.
+
+        NOTE: a request whose blocks do not fit is passed over, and later ones that fit
+        still run (a small request must not wait behind a large one). Each admission
+        past it counts; at `max_admission_bypass` nothing more goes past it until it
+        fits, so a large request is delayed a bounded amount, never starved.
         """
-        while self.waiting and len(self.running) < self.settings.max_num_seqs:
-            seq = self.waiting[0]
+        limit = self.settings.max_admission_bypass
+        blocked: list[SequenceState] = []  # passed over in this round, in queue order
+        for seq in list(self.waiting):
+            if len(self.running) >= self.settings.max_num_seqs:
+                return
+            if seq.status is SeqStatus.FINISHED:
+                continue  # failed by an earlier admission in this round
+            if blocked and self.running and not len(self.pool.free_queue):
+                return  # nothing free: no later request can fit either
             try:
                 if not self._admit_one(seq):
-                    return
+                    if seq.bypassed >= limit:
+                        return
+                    blocked.append(seq)
+                    continue
             except Exception as exc:  # a plan or trace that raised: this request only
                 self._fail(seq, exc)
+                continue
+            for b in blocked:
+                b.bypassed += 1
+            if any(b.bypassed >= limit for b in blocked):
+                return
 
     def _admit_one(self, seq: SequenceState) -> bool:
-        """Admit the head of the queue (or fail it); False when it must wait for blocks."""
+        """Admit ``seq`` from the waiting queue (or fail it); False when it must wait
+        for blocks."""
         resumed = seq.cache is not None  # committed once, preempted since: recompute
         if resumed and seq.plan is not None:
             # NOTE: the first admission's plan stands: re-planning would look entries
@@ -386,10 +429,15 @@ class Scheduler:
                 alloc = self._allocate(cp, n, least)
             except PoolExhaustedError:
                 # Nothing will free blocks: what is held is retained by TTL.
-                self.waiting.popleft()
                 self._finish(seq, error=OverloadedError(f"KV pool is full: {exc}"))
                 return True
-        self.waiting.popleft()
+        if resumed and self.running and not self._headroom_after():
+            # NOTE: readmitting now would only recompute it to preempt it again a few
+            # steps later (each time costing its whole context): wait for room.
+            alloc.abort()
+            return False
+        self.waiting.remove(seq)
+        seq.bypassed = 0
         seq.plan, seq.alloc = cp, alloc
         seq.num_computed = alloc.num_cached_tokens
         seq.status = SeqStatus.PREFILLING
@@ -400,6 +448,12 @@ class Scheduler:
             seq.t_admit = time.perf_counter()
             self._trace_admission(seq)
         return True
+
+    def _headroom_after(self) -> bool:
+        """Whether the free blocks cover `readmit_headroom_tokens` of growth for every
+        running sequence plus the one being readmitted."""
+        per_seq = -(-self.settings.readmit_headroom_tokens // self.block_size)
+        return len(self.pool.free_queue) >= per_seq * (len(self.running) + 1)
 
     def _allocate(self, cp: admission.CachePlan, n: int, slots: int) -> Allocation:
         """Hit the prompt's cached prefix, then blocks for ``slots`` token slots in all.
@@ -416,15 +470,16 @@ class Scheduler:
         return alloc
 
     def _grow(self) -> bool:
-        """Give each decoding sequence, oldest first, the slot its next step writes and
-        one more; when the pool is full, preempt the newest running sequence (vLLM's
-        recompute preemption). Returns whether anything was preempted.
+        """Give each decoding sequence, in queue order (priority, then arrival), the
+        slot its next step writes and one more; when the pool is full, preempt the
+        lowest-priority running sequence, the newest among equals (vLLM's recompute
+        preemption). Returns whether anything was preempted.
 
         NOTE: the slot one ahead is what lets a sequence the pool cannot grow end with
         a final token event (which flushes held-back text) rather than after one.
         """
         preempted = False
-        for seq in list(self.running):
+        for seq in sorted(self.running, key=lambda q: q.rank):
             if seq.status is not SeqStatus.DECODING or seq.context_full:
                 continue  # preempted in this loop already, prefilling, or at its end
             try:
@@ -447,7 +502,7 @@ class Scheduler:
             except PoolExhaustedError:
                 if len(self.running) == 1:
                     break
-            victim = self.running[-1]
+            victim = max(self.running, key=lambda q: q.rank)
             self._preempt(victim)
             preempted = True
             if victim is seq:
@@ -464,7 +519,8 @@ class Scheduler:
         return preempted
 
     def _preempt(self, seq: SequenceState) -> None:
-        """Return ``seq``'s blocks and requeue it at the front to recompute later.
+        """Return ``seq``'s blocks and requeue it at its rank to recompute later: ahead
+        of everything that arrived after it at its priority.
 
         Its published prompt blocks stay in the prefix cache (cached-free, evictable
         like any others), so the recompute usually hits them. Nothing is streamed again:
@@ -474,6 +530,7 @@ class Scheduler:
         committed = seq.cache is not None
         seq.alloc.close()  # abort if the prefill never committed, else free
         seq.alloc = None
+        self.engine.forget(seq.arrival)  # its next admission gets other blocks
         if committed:
             seq.recompute = len(seq.output)
         else:
@@ -486,7 +543,7 @@ class Scheduler:
         seq.preemptions += 1
         self.preemptions += 1
         self.running.remove(seq)
-        self.waiting.appendleft(seq)
+        self._enqueue(seq)
         if seq.decode_span is not None:
             seq.decode_span.add_event("preempted", {"cachepoint.output_tokens": len(seq.output)})
         log.info(
@@ -505,7 +562,8 @@ class Scheduler:
             if seq.status is SeqStatus.DECODING:
                 assert seq.alloc is not None
                 pos = seq.prompt_len + len(seq.output) - 1
-                batch.decodes.append((seq, DecodeRequest(seq.output[-1], pos, seq.alloc.block_ids)))
+                req = DecodeRequest(seq.output[-1], pos, seq.alloc.block_ids, seq_id=seq.arrival)
+                batch.decodes.append((seq, req))
         budget -= len(batch.decodes)
         for seq in self.running:
             if budget <= 0:
@@ -514,7 +572,9 @@ class Scheduler:
                 assert seq.alloc is not None
                 chunk = min(seq.remaining_prefill, budget)
                 end = seq.num_computed + chunk
-                req = PrefillRequest(seq.prefill_tokens(end), seq.alloc.block_ids, seq.num_computed)
+                req = PrefillRequest(
+                    seq.prefill_tokens(end), seq.alloc.block_ids, seq.num_computed, seq.arrival
+                )
                 batch.prefills.append((seq, req))
                 budget -= chunk
         return batch
@@ -665,6 +725,7 @@ class Scheduler:
             log.exception("closing the spans of %s failed", seq.request_id)
         if seq.alloc is not None:
             seq.alloc.close()  # abort if the prefill never committed, else free
+            self.engine.forget(seq.arrival)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -725,6 +786,7 @@ class Scheduler:
                 prefill_s=t_first - seq.t_admit,
                 decode_s=seq.t_end - t_first,
                 ttft_s=t_first - seq.t_submit,
+                preemptions=seq.preemptions,
             ),
         )
 

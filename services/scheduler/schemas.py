@@ -55,6 +55,14 @@ class GenerateRequest(_Strict):
     seed: int | None = None
     ignore_eos: bool = False
     stream: bool = False
+    priority: int = Field(
+        0,
+        ge=-(2**31),
+        le=2**31 - 1,
+        strict=True,  # NOTE: a JSON `true`, "1" or 1.5 is not a priority
+        description="scheduling priority: lower runs first (admission) and is preempted "
+        "last when KV runs out; FIFO within a priority (as vLLM's priority scheduling)",
+    )
     retention_owner: str | None = Field(
         None,
         min_length=1,
@@ -111,6 +119,7 @@ class Timings(BaseModel):
     prefill_s: float  # admitted -> first token sampled
     decode_s: float  # first token -> finished
     ttft_s: float  # submit -> first token
+    preemptions: int = 0  # times its KV was taken back (pool full) and recomputed
 
 
 class GenerateResponse(BaseModel):
@@ -155,3 +164,4 @@ class StatsResponse(BaseModel):
     running: int
     queued_prefill_tokens: int
     max_waiting: int
+    preemptions: int = 0  # running sequences requeued to recompute (KV full), ever

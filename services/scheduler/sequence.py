@@ -52,6 +52,9 @@ class SequenceState:
     stream: asyncio.Queue[TokenEvent | PrefillDone | None]  # None closes the stream
     done: asyncio.Future[None]  # resolved (or failed) when finished
     stopper: StopChecker  # stop strings and streamable text
+    priority: int = 0  # lower is more important (admitted first, preempted last)
+    arrival: int = 0  # submission order on this replica; FIFO within a priority
+    bypassed: int = 0  # later requests admitted past it while it did not fit
     status: SeqStatus = SeqStatus.WAITING
     plan: CachePlan | None = None  # set at admission
     alloc: Allocation | None = None  # set at admission
@@ -73,6 +76,11 @@ class SequenceState:
     t_admit: float = 0.0
     t_first: float = 0.0
     t_end: float = 0.0
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        """Queue order: priority, then arrival. The largest rank is preempted first."""
+        return (self.priority, self.arrival)
 
     @property
     def prompt_len(self) -> int:

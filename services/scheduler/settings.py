@@ -96,7 +96,23 @@ class ReplicaSettings(BaseSettings):
         1,
         ge=0,
         description="KV blocks reserved past the prompt at admission for the first "
-        "decodes; later ones grow on demand (preempting the newest sequence when full)",
+        "decodes; later ones grow on demand (when full, preempting the lowest-priority "
+        "sequence, the newest among equals)",
+    )
+    readmit_headroom_tokens: int = Field(
+        512,
+        ge=0,
+        description="a preempted sequence is readmitted while others run only if the pool "
+        "then still has this many tokens of free blocks per running sequence (itself "
+        "included): a recompute is paid for with that much decoding before the pool can "
+        "fill again, instead of ping-ponging every block",
+    )
+    max_admission_bypass: int = Field(
+        32,
+        ge=0,
+        description="how many later requests may be admitted past a waiting request whose "
+        "KV does not fit yet (no head-of-line blocking); after that nothing more is "
+        "admitted past it until it fits, so it cannot starve; 0 = strict queue order",
     )
     max_waiting: int = Field(256, ge=0, description="queued requests before 429")
     nats_url: str | None = Field(

@@ -16,7 +16,7 @@ import textwrap
 import pytest
 import torch
 
-from cachepoint.engine import EngineConfig, ModelConfig, PrefillRequest, attention
+from cachepoint.engine import EngineConfig, ModelConfig, PrefillRequest, attention, attention_plan
 from cachepoint.engine.attention import paged_attention
 from cachepoint.engine.batch import DecodeRequest
 from cachepoint.engine.runner import ModelRunner
@@ -40,19 +40,26 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (6, 2), (8, 1)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("path", ["cpu_split", "lower_right_bias"])
+@pytest.mark.parametrize("path", ["cpu_flash", "math"])
+@pytest.mark.parametrize("layout", ["shuffled", "runs"])
 def test_paged_attention_matches_reference(
-    monkeypatch: pytest.MonkeyPatch, heads: int, kv_heads: int, seed: int, path: str
+    monkeypatch: pytest.MonkeyPatch, heads: int, kv_heads: int, seed: int, path: str, layout: str
 ) -> None:
     """A packed batch of several prefills (cached prefixes 0, unaligned, aligned) and
-    decodes, over shuffled block ids, equals the float64 reference per sequence.
+    decodes equals the float64 reference per sequence.
 
-    ``lower_right_bias`` forces the portable path (``causal_lower_right`` in query
-    chunks) that devices without the CPU split take, with chunks that cut sequences.
+    ``shuffled`` block ids leave no run long enough to read in place: everything is
+    gathered. ``runs`` allocates consecutive ids with random breaks (and a low
+    ``MIN_RUN``), and the decode lanes share a prefix of blocks, so in-place runs, the
+    shared cascade segment, per-lane runs and gathered leftovers all take part.
+    ``math`` forces the float32 fallback that devices without the CPU flash kernel
+    take, in query chunks that cut sequences.
     """
-    if path == "lower_right_bias":
+    if path == "math":
         monkeypatch.setattr(attention, "_CPU_FLASH", None)
         monkeypatch.setattr(attention, "QUERY_CHUNK", 7)
+    if layout == "runs":
+        monkeypatch.setattr(attention_plan, "MIN_RUN", 2)
     rng = random.Random(seed)
     torch.manual_seed(seed)
     d = 8
@@ -62,30 +69,51 @@ def test_paged_attention_matches_reference(
     )
     pool, layer = runner.pool, 1
     free = list(range(pool.num_blocks))
-    rng.shuffle(free)
+    if layout == "shuffled":
+        rng.shuffle(free)
+    else:
+        free.reverse()
+
+    def take(n: int) -> list[int]:
+        if layout == "runs" and rng.random() < 0.5:
+            free.pop()  # a gap: the next blocks start a new run
+        return [free.pop() for _ in range(n)]
 
     # (context length N, cached prefix M): M = 0, block-unaligned, aligned, and long.
     prefill_shapes = [(rng.randrange(1, 40), 0), (37, 13), (24, 8), (150, 149), (90, 3)]
     decode_positions = [rng.randrange(0, 60) for _ in range(4)] + [0, 77]
     seqs: list[tuple[int, int, list[int]]] = []  # (N, first computed position, blocks)
     for total, cached in prefill_shapes:
-        seqs.append((total, cached, [free.pop() for _ in range(-(-total // BLOCK))]))
+        seqs.append((total, cached, take(-(-total // BLOCK))))
+    # Decode lanes share their first `common` blocks when the layout allows it.
+    common = 0 if layout == "shuffled" else 6
+    shared_blocks = take(common)
+    decode_positions = [p + common * BLOCK for p in decode_positions]
     for pos in decode_positions:
         # Decode tables of uneven length: the batch pads them and masks the padding.
-        seqs.append((pos + 1, pos, [free.pop() for _ in range(-(-(pos + 1) // BLOCK) + 1)]))
+        own = take(-(-(pos + 1) // BLOCK) + 1 - common)
+        seqs.append((pos + 1, pos, shared_blocks + own))
 
     # Every sequence's full context K/V; the cached part goes into the pool beforehand.
+    shared_k = torch.randn(common * BLOCK, kv_heads, d)
+    shared_v = torch.randn(common * BLOCK, kv_heads, d)
+    n_pre = len(prefill_shapes)
     ks = [torch.randn(total, kv_heads, d) for total, _, _ in seqs]
     vs = [torch.randn(total, kv_heads, d) for total, _, _ in seqs]
+    for i in range(n_pre, len(seqs)):
+        ks[i][: common * BLOCK] = shared_k
+        vs[i][: common * BLOCK] = shared_v
     for (_total, first, blocks), k, v in zip(seqs, ks, vs, strict=True):
         if first:
             slots = torch.tensor([blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(first)])
             pool.write(layer, slots, k[:first], v[:first])
 
-    n_pre = len(prefill_shapes)
     prefills = [PrefillRequest([1] * total, blocks, first) for total, first, blocks in seqs[:n_pre]]
     decodes = [DecodeRequest(1, first, blocks) for _total, first, blocks in seqs[n_pre:]]
     _ids, _pos, meta = runner._metadata(prefills, decodes)
+    if layout == "runs":
+        assert meta.decode is not None and meta.decode.shared  # the cascade path ran
+        assert any(span.segments for span in meta.prefills)
 
     qs = [torch.randn(total - first, heads, d) for total, first, _ in seqs]
     q = torch.cat(qs)

@@ -40,4 +40,5 @@ async def stats(scheduler: SchedulerDep) -> StatsResponse:
         running=len(scheduler.running),
         queued_prefill_tokens=scheduler.queued_prefill_tokens,
         max_waiting=scheduler.settings.max_waiting,
+        preemptions=scheduler.preemptions,
     )

@@ -1,0 +1,475 @@
+"""One GPU check of the engine, for the day a device is lent (issue 15): under 5 minutes on
+one H200, downloads nothing (random weights, Llama-3-8B shapes, bfloat16).
+
+Prints one table:
+
+- paged attention: ``cuda_paged_attention`` against the float64 reference over random
+  block tables and a prefill/decode mix (max abs error, tolerance 2e-2 in bf16);
+- reuse equals recompute: last-token logits of a prompt prefilled cold vs with its
+  first half cached (bf16 tolerance: max abs difference <= 5% of the cold logits' max
+  abs value, and the same argmax);
+- cold and cached TTFT at 8k and 32k tokens (cached: all but the last 64 in the pool);
+- decode tokens/s at batch 1, 32 and 128, every lane on one shared 1,024-token prefix
+  (the prefix's blocks are shared; each lane grows its own blocks);
+- the KV pool the engine chose (blocks, GiB) and the peak memory.
+
+Exit code 0 when every check passed or was skipped, 1 when one failed or raised, 2
+when the device asked for does not exist.
+
+    python3 bench/gpu_check.py                        # on the GPU machine
+    .venv/bin/python bench/gpu_check.py --device cpu --tiny   # dry run of the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import math
+import random
+import resource
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TAIL = 64  # uncached tokens of a "cached" TTFT prompt
+ATTN_ATOL = 2e-2  # bf16 kernel vs float64 reference
+REUSE_RTOL = 0.05  # max |cold - cached| over max |cold|, bf16 through every layer
+
+
+def _import_cachepoint() -> None:
+    """Make ``cachepoint.engine`` importable from this checkout without installing it
+    (the GPU machine has no network and no install step): the folders setup.py maps."""
+    try:
+        import cachepoint.engine  # noqa: F401
+
+        return
+    except ImportError:
+        pass
+    for name, folder in (
+        ("cachepoint", "services/cachepoint"),
+        ("cachepoint.tokenizer", "services/tokenizer"),
+        ("cachepoint.engine", "services/engine"),
+    ):
+        path = ROOT / folder
+        spec = importlib.util.spec_from_file_location(
+            name, path / "__init__.py", submodule_search_locations=[str(path)]
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+
+
+@dataclass(slots=True)
+class Sizes:
+    """What one run measures."""
+
+    block_size: int  # engine block size (256 on CUDA: the paged kernel's page multiple)
+    reuse_tokens: int  # prompt length of the reuse check
+    ttft_tokens: tuple[int, ...]  # prompt lengths of the TTFT rows
+    decode_batches: tuple[int, ...]  # batch sizes of the decode rows
+    prefix_tokens: int  # shared prefix of the decode lanes
+    decode_steps: int  # timed steps per decode row
+    attn_block_size: int  # block size of the kernel-vs-reference check
+    attn_contexts: tuple[int, ...]  # context lengths there (prefills then decodes)
+    attn_queries: tuple[int, ...]  # their query counts
+
+
+FULL = Sizes(
+    block_size=256,
+    reuse_tokens=4096,
+    ttft_tokens=(8192, 32768),
+    decode_batches=(1, 32, 128),
+    prefix_tokens=1024,
+    decode_steps=32,
+    attn_block_size=256,
+    attn_contexts=(2000, 5000, 300, 1, 4097, 700),
+    attn_queries=(2000, 300, 1, 1, 1, 1),
+)
+TINY = Sizes(
+    block_size=16,
+    reuse_tokens=96,
+    ttft_tokens=(256, 512),
+    decode_batches=(1, 4, 8),
+    prefix_tokens=64,
+    decode_steps=4,
+    attn_block_size=16,
+    attn_contexts=(40, 70, 9, 1),
+    attn_queries=(40, 5, 1, 1),
+)
+
+
+def llama3_8b() -> Any:
+    from cachepoint.engine import ModelConfig
+
+    return ModelConfig(
+        num_layers=32,
+        hidden_size=4096,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        max_position_embeddings=32768 + 1024,
+        dtype="bfloat16",
+    )
+
+
+@dataclass(slots=True)
+class Row:
+    """One line of the table."""
+
+    check: str  # what was measured
+    status: str  # PASS, FAIL, INFO, SKIP or ERROR
+    value: str  # the figure
+    detail: str = ""  # tolerance, shape or error
+
+
+@dataclass(slots=True)
+class Ctx:
+    """The run's engine and settings."""
+
+    args: argparse.Namespace  # the command line
+    sizes: Sizes  # what to measure
+    device: torch.device  # where
+    engine: Any = None  # cachepoint.engine.Engine, once built
+    alloc: Any = None  # its BlockAllocator
+    rows: list[Row] = field(default_factory=list)  # the table so far
+    rng: random.Random = field(default_factory=lambda: random.Random(0))  # token ids
+
+
+def _sync(ctx: Ctx) -> None:
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+
+
+def _tokens(ctx: Ctx, n: int) -> list[int]:
+    vocab = ctx.engine.vocab_size
+    return [ctx.rng.randrange(vocab) for _ in range(n)]
+
+
+def _table(ctx: Ctx, n_tokens: int) -> list[int]:
+    return list(ctx.alloc(math.ceil(n_tokens / ctx.engine.block_size)))
+
+
+def _prefill(ctx: Ctx, ids: list[int], table: list[int], cached: int = 0) -> torch.Tensor:
+    from cachepoint.engine import PrefillRequest
+
+    out = ctx.engine.prefill([PrefillRequest(ids, table, cached)])
+    logits: torch.Tensor = out.prefill_logits[0]
+    return logits
+
+
+# -- checks: each appends rows or raises -----------------------------------------------
+
+
+def attention_case(sizes: Sizes, device: torch.device, dtype: torch.dtype) -> tuple[Any, ...]:
+    """Random queries, pool (32 query / 8 KV heads, head_dim 128) and block tables (a
+    random permutation of the blocks, 0-padded), in ``cuda_paged_attention``'s order."""
+    hq, hkv, d, bs = 32, 8, 128, sizes.attn_block_size
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    need = [math.ceil(n / bs) for n in sizes.attn_contexts]
+    ids = torch.randperm(sum(need) + 4, generator=gen)
+    tables = torch.zeros(len(need), max(need) + 1, dtype=torch.int32)
+    at = 0
+    for i, nb in enumerate(need):
+        tables[i, :nb] = ids[at : at + nb].to(torch.int32)
+        at += nb
+    num_blocks = int(ids.numel())
+    k = torch.randn(hkv, num_blocks, bs, d, generator=gen).to(device, dtype)
+    v = torch.randn(hkv, num_blocks, bs, d, generator=gen).to(device, dtype)
+    q = torch.randn(sum(sizes.attn_queries), hq, d, generator=gen).to(device, dtype)
+    cu = [0, *torch.tensor(sizes.attn_queries).cumsum(0).tolist()]
+    return (
+        q,
+        k,
+        v,
+        torch.tensor(cu, dtype=torch.int32, device=device),
+        torch.tensor(sizes.attn_contexts, dtype=torch.int32, device=device),
+        tables.to(device),
+        max(sizes.attn_queries),
+        max(sizes.attn_contexts),
+    )
+
+
+def check_attention(ctx: Ctx) -> None:
+    from cachepoint.engine.attention_cuda import (
+        cuda_paged_attention,
+        cuda_paged_attention_available,
+        reference_paged_attention,
+    )
+
+    s, name = ctx.sizes, "paged attention vs reference"
+    dtype = torch.bfloat16
+    args = attention_case(s, ctx.device, dtype)
+    want = reference_paged_attention(*args)  # also runs in the CPU dry run
+    ok, why = cuda_paged_attention_available(s.attn_block_size, dtype)
+    if ctx.device.type != "cuda" or not ok:
+        ctx.rows.append(Row(name, "SKIP", "-", f"reference ran; kernel unavailable: {why}"))
+        return
+    got = cuda_paged_attention(*args)
+    err = float((got.float() - want.float()).abs().max())
+    shape = f"bs {s.attn_block_size}, q {s.attn_queries} over k {s.attn_contexts}"
+    status = "PASS" if err <= ATTN_ATOL else "FAIL"
+    ctx.rows.append(Row(name, status, f"max abs err {err:.2e}", f"atol {ATTN_ATOL}; {shape}"))
+
+
+def check_reuse(ctx: Ctx) -> None:
+    n = ctx.sizes.reuse_tokens
+    ids = _tokens(ctx, n)
+    cold_table, warm_table = _table(ctx, n), _table(ctx, n)
+    try:
+        cold = _prefill(ctx, ids, cold_table).float()
+        half = n // 2
+        _prefill(ctx, ids[:half], warm_table)
+        warm = _prefill(ctx, ids, warm_table, cached=half).float()
+    finally:
+        ctx.alloc.release(cold_table)
+        ctx.alloc.release(warm_table)
+    diff = float((cold - warm).abs().max())
+    scale = float(cold.abs().max())
+    same_argmax = int(cold.argmax()) == int(warm.argmax())
+    ok = diff <= REUSE_RTOL * scale and same_argmax
+    ctx.rows.append(
+        Row(
+            f"reuse == recompute ({n} tok, half cached)",
+            "PASS" if ok else "FAIL",
+            f"max abs diff {diff:.3e}",
+            f"tol {REUSE_RTOL} x max|logit| = {REUSE_RTOL * scale:.3e}; "
+            f"argmax equal: {same_argmax}",
+        )
+    )
+
+
+def check_ttft(ctx: Ctx, n: int) -> None:
+    ids = _tokens(ctx, n)
+    table = _table(ctx, n)
+    try:
+        _sync(ctx)
+        t0 = time.perf_counter()
+        _prefill(ctx, ids, table)  # the engine synchronizes before returning logits
+        cold = time.perf_counter() - t0
+        # The cold run left every position in the pool; recompute only the last TAIL.
+        _sync(ctx)
+        t0 = time.perf_counter()
+        _prefill(ctx, ids, table, cached=n - TAIL)
+        warm = time.perf_counter() - t0
+    finally:
+        ctx.alloc.release(table)
+    ctx.rows.append(Row(f"TTFT cold, {n} tokens", "INFO", f"{cold * 1e3:.1f} ms"))
+    ctx.rows.append(
+        Row(
+            f"TTFT cached, {n} tokens ({n - TAIL} in pool)",
+            "INFO",
+            f"{warm * 1e3:.1f} ms",
+            f"{cold / warm:.1f}x faster than cold",
+        )
+    )
+
+
+def check_decode(ctx: Ctx, batch: int) -> None:
+    from cachepoint.engine import DecodeRequest
+
+    s, bs = ctx.sizes, ctx.engine.block_size
+    prefix = _tokens(ctx, s.prefix_tokens)
+    shared = _table(ctx, s.prefix_tokens)
+    # NOTE: the prefix is block-aligned, so its blocks are shared read-only and every
+    # lane writes only into blocks of its own.
+    assert s.prefix_tokens % bs == 0
+    owned: list[list[int]] = [[] for _ in range(batch)]
+    try:
+        logits = _prefill(ctx, prefix, shared)
+        tokens = [int(logits.argmax())] * batch
+        warmup = 2
+        t0 = 0.0
+        for step in range(warmup + s.decode_steps):
+            if step == warmup:
+                _sync(ctx)
+                t0 = time.perf_counter()
+            pos = s.prefix_tokens + step
+            if pos % bs == 0:
+                for lane in owned:
+                    lane.extend(ctx.alloc(1))
+            reqs = [
+                DecodeRequest(tok, pos, shared + lane)
+                for tok, lane in zip(tokens, owned, strict=True)
+            ]
+            tokens = ctx.engine.decode(reqs).argmax(-1).tolist()
+        elapsed = time.perf_counter() - t0
+    finally:
+        ctx.alloc.release(shared)
+        for lane in owned:
+            ctx.alloc.release(lane)
+    rate = batch * s.decode_steps / elapsed
+    ctx.rows.append(
+        Row(
+            f"decode, batch {batch}",
+            "INFO",
+            f"{rate:.1f} tok/s",
+            f"{elapsed / s.decode_steps * 1e3:.2f} ms/step; shared {s.prefix_tokens}-token prefix",
+        )
+    )
+
+
+def _run(ctx: Ctx, name: str, fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except Exception as exc:  # NOTE: one failing check must not hide the others' rows
+        traceback.print_exc(file=sys.stderr)
+        ctx.rows.append(
+            Row(
+                name,
+                "ERROR",
+                type(exc).__name__,
+                str(exc).splitlines()[0][:160] if str(exc) else "",
+            )
+        )
+
+
+def build_engine(ctx: Ctx) -> None:
+    from cachepoint.engine import BlockAllocator, Engine, EngineConfig, ModelConfig
+
+    s = ctx.sizes
+    longest = max(*s.ttft_tokens, s.reuse_tokens, s.prefix_tokens + s.decode_steps + 2)
+    if ctx.args.tiny:
+        model = ModelConfig.tiny(max_position_embeddings=longest + s.block_size)
+        extra: dict[str, Any] = {"kv_cache_bytes": 64 << 20}
+    else:
+        model = llama3_8b()
+        extra = {"gpu_memory_utilization": ctx.args.gpu_memory_utilization}
+    dtype = "bfloat16" if ctx.device.type == "cuda" else "float32"
+    t0 = time.perf_counter()
+    ctx.engine = Engine(
+        model,
+        EngineConfig(
+            device=str(ctx.device),
+            dtype=dtype,
+            block_size=s.block_size,
+            max_model_len=longest + s.block_size,
+            max_num_batched_tokens=max(s.ttft_tokens),
+            **extra,
+        ),
+        seed=0,
+    )
+    ctx.alloc = BlockAllocator(ctx.engine.num_blocks)
+    build = time.perf_counter() - t0
+    gib = ctx.engine.kv_pool_bytes / 2**30
+    ctx.rows.append(
+        Row(
+            "engine build (random weights)",
+            "INFO",
+            f"{build:.1f} s",
+            f"{model.num_layers} layers, hidden {model.hidden_size}, {dtype}, block {s.block_size}",
+        )
+    )
+    ctx.rows.append(
+        Row("KV pool chosen", "INFO", f"{ctx.engine.num_blocks} blocks", f"{gib:.2f} GiB")
+    )
+    # NOTE: a first small step pays the one-off costs (cuBLAS handles, kernel loads)
+    # that would otherwise land in the first timed row.
+    ids = _tokens(ctx, 2 * s.block_size)
+    table = _table(ctx, len(ids))
+    try:
+        _prefill(ctx, ids, table)
+    finally:
+        ctx.alloc.release(table)
+
+
+def peak_memory_row(ctx: Ctx) -> Row:
+    if ctx.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(ctx.device) / 2**30
+        return Row("peak memory (max_memory_allocated)", "INFO", f"{peak:.2f} GiB")
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    return Row("peak memory (process max RSS)", "INFO", f"{rss:.2f} GiB")
+
+
+def render(rows: list[Row]) -> str:
+    head = Row("check", "status", "value", "detail")
+    widths = [max(len(getattr(r, f)) for r in [head, *rows]) for f in ("check", "status", "value")]
+
+    def line(r: Row) -> str:
+        cells = (r.check.ljust(widths[0]), r.status.ljust(widths[1]), r.value.ljust(widths[2]))
+        return " | ".join((*cells, r.detail)).rstrip()
+
+    rule = "-+-".join("-" * w for w in widths) + "-+-" + "-" * 20
+    return "\n".join([line(head), rule, *(line(r) for r in rows)])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Engine checks on one GPU (random Llama-3-8B weights, bf16); prints one table.",
+    )
+    p.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="ModelConfig.tiny() and small sizes: a dry run of the script itself (CPU)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="share of free GPU memory the engine may take (default 0.9)",
+    )
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(
+            f"gpu_check: device {args.device!r} asked for, but torch {torch.__version__} sees "
+            "no CUDA device (torch.cuda.is_available() is False); use --device cpu --tiny "
+            "for a dry run",
+            file=sys.stderr,
+        )
+        return 2
+    if device.type not in ("cuda", "cpu"):
+        print(f"gpu_check: unsupported device {args.device!r}", file=sys.stderr)
+        return 2
+    _import_cachepoint()
+    torch.manual_seed(0)
+    ctx = Ctx(args, TINY if args.tiny else FULL, device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        name = "cpu"
+    shapes = "tiny" if args.tiny else "Llama-3-8B shapes"
+    print(f"gpu_check: {name}, torch {torch.__version__}, {shapes}")
+    start = time.perf_counter()
+    _run(ctx, "paged attention vs reference", functools.partial(check_attention, ctx))
+    if device.type == "cuda":
+        # NOTE: the engine sizes its pool from free memory; give back what the
+        # attention check's float64 reference cached.
+        torch.cuda.empty_cache()
+    _run(ctx, "engine build", functools.partial(build_engine, ctx))
+    if ctx.engine is not None:
+        with torch.inference_mode():
+            _run(ctx, "reuse == recompute", functools.partial(check_reuse, ctx))
+            for n in ctx.sizes.ttft_tokens:
+                _run(ctx, f"TTFT {n}", functools.partial(check_ttft, ctx, n))
+            for b in ctx.sizes.decode_batches:
+                _run(ctx, f"decode, batch {b}", functools.partial(check_decode, ctx, b))
+    ctx.rows.append(peak_memory_row(ctx))
+    ctx.rows.append(Row("wall time", "INFO", f"{time.perf_counter() - start:.1f} s"))
+    print(render(ctx.rows))
+    failed = [r.check for r in ctx.rows if r.status in ("FAIL", "ERROR")]
+    if failed:
+        print(f"gpu_check: {len(failed)} check(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

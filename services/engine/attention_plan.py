@@ -1,0 +1,216 @@
+"""Which K/V each sequence of a step reads, planned once per step on the host.
+
+A step's tokens are packed into one ``[tokens, ...]`` batch: every prefill's computed
+tokens first, then one token per decoding sequence. The plan says, per sequence, where
+its context lives in the pool, as pieces attention can read without copying:
+
+- a :class:`Segment` is a run of consecutive pool blocks (possibly ending mid-block),
+  one strided view of the pool, read in place;
+- blocks in runs shorter than :data:`MIN_RUN` are cheaper to copy than to visit one
+  call at a time, so they are gathered, all of a sequence's at once;
+- a decode batch's leading blocks that every lane shares (a common system prompt) are
+  read once for the whole batch, with every lane's query against them (cascade
+  attention), instead of once per lane.
+
+Attention over a set of keys does not depend on their order, so the pieces of one
+sequence may be attended separately and merged by their log-sum-exp.
+
+The plan is built from :class:`~.block_tables.SeqTable` runs, so host work per step is
+linear in the batch and the number of runs, not in the context length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .block_tables import Run, SeqTable, shared_blocks
+
+# NOTE: a run shorter than this many blocks is gathered rather than read in place. One
+# extra CPU flash call costs about 15 us of overhead; copying a 16-token block of a
+# small model's K and V costs well under 1 us. Measured on the tiny model and on
+# SmolLM2 shapes, runs of 8+ blocks (128 tokens) are cheaper to visit than to copy.
+MIN_RUN = 8
+
+
+@dataclass(slots=True)
+class Segment:
+    """Token slots of consecutive pool blocks, read in place."""
+
+    block: int  # first pool block id
+    tokens: int  # slots from its first slot on (the last block may be partly used)
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """One prefilling sequence's rows in the packed batch, and its cached context."""
+
+    start: int  # first packed row (its token is at position num_cached)
+    end: int  # one past the last packed row
+    length: int  # N: the context attended over, positions 0..N-1
+    segments: list[Segment]  # cached positions read in place
+    gathered: torch.Tensor | None  # [g] pool ids of cached full blocks to copy, or None
+
+    @property
+    def num_cached(self) -> int:
+        """M: the cached positions before the first computed row."""
+        return self.length - (self.end - self.start)
+
+
+@dataclass(slots=True)
+class DecodeSpan:
+    """All decoding sequences: the last ``batch`` rows of the packed batch."""
+
+    start: int  # first decode row; decode rows run to the end of the batch
+    batch: int  # number of decoding sequences
+    shared: list[Segment]  # full blocks every lane shares, read once for all lanes
+    lane_segments: list[tuple[int, Segment]]  # (lane, run) private long runs read in place
+    rest: torch.Tensor | None  # [batch, P] pool ids lanes gather (short runs), or None
+    rest_bias: torch.Tensor | None  # [batch, 1, 1, P * block_size] float 0 / -inf
+    rest_empty: torch.Tensor | None  # [batch] bool: lanes with nothing in `rest`
+
+
+@dataclass(slots=True)
+class VarlenMetadata:
+    """The step as a paged varlen kernel reads it (CUDA): one row of each per sequence,
+    prefills first, then decodes."""
+
+    cu_seqlens_q: torch.Tensor  # int32 [seqs + 1] query row offsets
+    seq_lens: torch.Tensor  # int32 [seqs] keys each sequence attends (cached + new)
+    block_tables: torch.Tensor  # int32 [seqs, max_blocks], padded with 0
+    max_q: int  # most query rows of one sequence
+    max_k: int  # most keys of one sequence
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything attention needs about one step's packed batch."""
+
+    slot_mapping: torch.Tensor  # [tokens] where each packed row's new K/V is written
+    prefills: list[PrefillSpan]  # in packed order
+    decode: DecodeSpan | None  # None when the step has no decoding sequences
+    varlen: VarlenMetadata | None = None  # set when a paged kernel reads the tables itself
+
+
+def plan_varlen(
+    tables: list[SeqTable], rows: list[int], lengths: list[int], device: torch.device
+) -> VarlenMetadata:
+    """Kernel metadata for sequences with ``rows`` queries over ``lengths`` keys.
+
+    NOTE: the block table is copied from each table's persistent int32 row (a memcpy
+    per sequence, no per-block Python), then moved to the device in one transfer.
+    """
+    width = max(len(t.blocks) for t in tables)
+    host = torch.zeros(len(tables), width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        host[i, : len(t.blocks)] = t.ids[: len(t.blocks)]
+    cu = torch.zeros(len(rows) + 1, dtype=torch.int32)
+    torch.cumsum(torch.tensor(rows, dtype=torch.int32), 0, out=cu[1:])
+    return VarlenMetadata(
+        cu.to(device),
+        torch.tensor(lengths, dtype=torch.int32).to(device),
+        host.to(device),
+        max(rows),
+        max(lengths),
+    )
+
+
+def _split(runs: list[Run], block_size: int) -> tuple[list[Segment], list[int]]:
+    """Long runs as segments, the blocks of short ones as a gather list."""
+    segments: list[Segment] = []
+    gathered: list[int] = []
+    for r in runs:
+        if r.count >= MIN_RUN:
+            segments.append(Segment(r.block, r.count * block_size))
+        else:
+            gathered.extend(range(r.block, r.block + r.count))
+    return segments, gathered
+
+
+def plan_prefill(
+    table: SeqTable,
+    start: int,
+    end: int,
+    num_cached: int,
+    length: int,
+    block_size: int,
+    device: torch.device,
+) -> PrefillSpan:
+    """The span of a prefill computing positions ``num_cached..length-1``."""
+    full, tail = divmod(num_cached, block_size)
+    runs = table.span(0, full + (1 if tail else 0))
+    last = runs.pop() if tail else None
+    segments, gathered = _split(runs, block_size)
+    if last is not None:
+        # NOTE: the partly cached block is read through its first `tail` slots only;
+        # this step writes the rest of it, which the view never reaches. It extends
+        # the run it continues, or stands alone: never gathered, never a merge more.
+        if last.count > 1 and last.count - 1 >= MIN_RUN:
+            segments.append(Segment(last.block, (last.count - 1) * block_size + tail))
+        else:
+            gathered.extend(range(last.block, last.block + last.count - 1))
+            segments.append(Segment(last.block + last.count - 1, tail))
+    ids = None
+    if gathered:
+        ids = torch.tensor(gathered, dtype=torch.long, device=device)
+    return PrefillSpan(start, end, length, segments, ids)
+
+
+def plan_decode(
+    tables: list[SeqTable],
+    positions: list[int],
+    start: int,
+    block_size: int,
+    device: torch.device,
+) -> tuple[DecodeSpan, list[int]]:
+    """The decode span, and each lane's write slot, for lanes at ``positions``.
+
+    Lane ``i`` attends positions ``0..positions[i]``: its full blocks
+    ``0..positions[i] // block_size - 1`` and the first slots of its current block,
+    where this step writes its token. A lane whose current block continues a long run
+    reads it as part of that run: a lone sequence in a fresh pool is then one view and
+    one kernel call per layer, with nothing gathered and nothing merged.
+    """
+    full = [p // block_size for p in positions]
+    shared = min(full) if len(tables) > 1 else 0
+    head = tables[0]
+    for t in tables[1:]:
+        if shared == 0:
+            break
+        shared = shared_blocks(head, t, shared)
+    shared_segments = [Segment(r.block, r.count * block_size) for r in head.span(0, shared)]
+    lane_segments: list[tuple[int, Segment]] = []
+    rest: list[list[int]] = []
+    valid: list[int] = []
+    slots: list[int] = []
+    for lane, (t, f, p) in enumerate(zip(tables, full, positions, strict=True)):
+        used = p % block_size + 1  # slots of the current block this lane attends
+        runs = t.span(shared, f + 1)
+        last = runs.pop()  # ends with the current block
+        segments, gathered = _split(runs, block_size)
+        if last.count >= MIN_RUN:
+            segments.append(Segment(last.block, (last.count - 1) * block_size + used))
+            n_valid = len(gathered) * block_size
+        else:
+            gathered.extend(range(last.block, last.block + last.count - 1))
+            n_valid = len(gathered) * block_size + used
+            gathered.append(last.block + last.count - 1)
+        lane_segments.extend((lane, s) for s in segments)
+        valid.append(n_valid)
+        rest.append(gathered)
+        slots.append(t.blocks[f] * block_size + p % block_size)
+    width = max(len(r) for r in rest)
+    ids = bias = empty = None
+    if width:
+        # NOTE: padded with block 0; the bias hides it (and the last block's unused slots).
+        table = [r + [0] * (width - len(r)) for r in rest]
+        ids = torch.tensor(table, dtype=torch.long, device=device)
+        lanes = torch.arange(width * block_size, device=device)
+        hidden = lanes[None, :] >= torch.tensor(valid, device=device)[:, None]
+        bias = torch.zeros(len(rest), 1, 1, width * block_size, device=device)
+        bias.masked_fill_(hidden[:, None, None, :], float("-inf"))
+        if min(valid) == 0:
+            empty = torch.tensor([v == 0 for v in valid], device=device)
+    span = DecodeSpan(start, len(tables), shared_segments, lane_segments, ids, bias, empty)
+    return span, slots
