@@ -33,6 +33,10 @@ from .block_tables import Run, SeqTable, shared_blocks
 # SmolLM2 shapes, runs of 8+ blocks (128 tokens) are cheaper to visit than to copy.
 MIN_RUN = 8
 
+# NOTE: a decode lane whose private blocks form more runs than this is gathered whole
+# by one tensor slice instead of being split run by run in Python.
+MAX_SPLIT_RUNS = 8
+
 
 @dataclass(slots=True)
 class Segment:
@@ -181,11 +185,19 @@ def plan_decode(
         shared = shared_blocks(head, t, shared)
     shared_segments = [Segment(r.block, r.count * block_size) for r in head.span(0, shared)]
     lane_segments: list[tuple[int, Segment]] = []
-    rest: list[list[int]] = []
+    rest: list[torch.Tensor] = []
     valid: list[int] = []
     slots: list[int] = []
     for lane, (t, f, p) in enumerate(zip(tables, full, positions, strict=True)):
         used = p % block_size + 1  # slots of the current block this lane attends
+        if t.run_count(shared, f + 1) > MAX_SPLIT_RUNS:
+            # NOTE: a fragmented table (blocks handed out while many lanes grew at once)
+            # is gathered whole, straight from its persistent id row: a slice, no
+            # per-block Python, so host work stays per lane whatever the context.
+            rest.append(t.ids[shared : f + 1])
+            valid.append((f - shared) * block_size + used)
+            slots.append(t.blocks[f] * block_size + p % block_size)
+            continue
         runs = t.span(shared, f + 1)
         last = runs.pop()  # ends with the current block
         segments, gathered = _split(runs, block_size)
@@ -198,14 +210,16 @@ def plan_decode(
             gathered.append(last.block + last.count - 1)
         lane_segments.extend((lane, s) for s in segments)
         valid.append(n_valid)
-        rest.append(gathered)
+        rest.append(torch.tensor(gathered, dtype=torch.int32))
         slots.append(t.blocks[f] * block_size + p % block_size)
-    width = max(len(r) for r in rest)
+    width = max(r.shape[0] for r in rest)
     ids = bias = empty = None
     if width:
         # NOTE: padded with block 0; the bias hides it (and the last block's unused slots).
-        table = [r + [0] * (width - len(r)) for r in rest]
-        ids = torch.tensor(table, dtype=torch.long, device=device)
+        table = torch.zeros(len(rest), width, dtype=torch.long)
+        for i, r in enumerate(rest):
+            table[i, : r.shape[0]] = r
+        ids = table.to(device)
         lanes = torch.arange(width * block_size, device=device)
         hidden = lanes[None, :] >= torch.tensor(valid, device=device)[:, None]
         bias = torch.zeros(len(rest), 1, 1, width * block_size, device=device)

@@ -12,6 +12,7 @@ blocks is one ``[kv_heads, n * block_size, head_dim]`` view of the pool, no copy
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ class SeqTable:
 
     blocks: list[int] = field(default_factory=list)  # pool ids, validated, in position order
     runs: list[Run] = field(default_factory=list)  # `blocks` as runs, in position order
+    firsts: list[int] = field(default_factory=list)  # each run's `first`, for bisection
     # `blocks` as int32 on the host, grown by doubling: rows of a kernel's block table
     ids: torch.Tensor = field(default_factory=lambda: torch.zeros(16, dtype=torch.int32))
 
@@ -51,6 +53,7 @@ class SeqTable:
                 last.count += 1
             else:
                 runs.append(Run(len(self.blocks), b, 1))
+                self.firsts.append(len(self.blocks))
             self.blocks.append(b)
         n, old = len(self.blocks), len(self.blocks) - len(ids)
         if n > self.ids.shape[0]:
@@ -59,15 +62,28 @@ class SeqTable:
             self.ids = grown
         self.ids[old:n] = torch.tensor(ids, dtype=torch.int32)
 
+    def run_count(self, start: int, end: int) -> int:
+        """How many runs cover table indices ``start..end-1`` (O(log runs))."""
+        if start >= end:
+            return 0
+        return bisect_right(self.firsts, end - 1) - bisect_right(self.firsts, start) + 1
+
     def span(self, start: int, end: int) -> list[Run]:
-        """The runs covering table indices ``start..end-1``, cut to that range."""
+        """The runs covering table indices ``start..end-1``, cut to that range.
+
+        NOTE: bisects to the first run, so the cost is the runs returned, not the runs
+        before ``start``.
+        """
         out: list[Run] = []
-        for r in self.runs:
+        if start >= end:
+            return out
+        for i in range(max(0, bisect_right(self.firsts, start) - 1), len(self.runs)):
+            r = self.runs[i]
+            if r.first >= end:
+                break
             lo, hi = max(start, r.first), min(end, r.first + r.count)
             if lo < hi:
                 out.append(Run(lo, r.block + lo - r.first, hi - lo))
-            if r.first >= end:
-                break
         return out
 
 
