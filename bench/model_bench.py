@@ -236,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         tokens, out = [first] * w, [first]
         start = time.perf_counter()
         for step in range(steps):
-            logits = engine.decode([DecodeRequest(tokens[i], n + step, lanes[i]) for i in range(w)])
+            logits = engine.decode(
+                [DecodeRequest(tokens[i], n + step, lanes[i], seq_id=i) for i in range(w)]
+            )
             tokens = logits.argmax(dim=-1).tolist()
             out.append(tokens[0])
         return w * steps / (time.perf_counter() - start), out
@@ -250,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         if n % bs:
             engine.prefill([PrefillRequest(prompt, lane, full * bs)])
     for w in (1, width):
-        engine.decode([DecodeRequest(prompt[-1], n, lanes[i]) for i in range(w)])
+        engine.decode([DecodeRequest(prompt[-1], n, lanes[i], seq_id=i) for i in range(w)])
     if hf is not None:
         hf.generate(ids[:, :64], 2, 1)
 

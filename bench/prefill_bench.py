@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         for step in range(args.decode_steps):
             logits = engine.decode(
-                [DecodeRequest(tokens[i], n + step, lanes[i]) for i in range(width)]
+                [DecodeRequest(tokens[i], n + step, lanes[i], seq_id=i) for i in range(width)]
             )
             tokens = logits.argmax(dim=-1).tolist()
         return width * args.decode_steps / (time.perf_counter() - start)

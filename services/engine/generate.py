@@ -89,42 +89,53 @@ def generate(
         seq = _Seq(r, list(r.block_table), StopChecker(engine.tokenizer, r.params.stop))
         _cover(seq.table, len(r.prompt_ids), bs, allocate)
         seqs.append(seq)
-    gens = [make_generator(s.req.params, engine.device) for s in seqs]
-    logits = engine.prefill(
-        [PrefillRequest(s.req.prompt_ids, s.table, s.req.num_cached_tokens) for s in seqs]
-    ).prefill_logits
-    active = list(range(len(seqs)))
-    while active:
-        tokens = sample(logits, [seqs[i].req.params for i in active], [gens[i] for i in active])
-        still: list[int] = []
-        for i, tok in zip(active, tokens, strict=True):
-            s = seqs[i]
-            s.out.append(tok)
-            position = len(s.req.prompt_ids) + len(s.out) - 1  # where `tok` would go
-            p = s.req.params
-            if (
-                (tok in eos and not p.ignore_eos)
-                or tok in p.stop_token_ids
-                or s.stop.append(tok) is not None
-            ):
-                s.finish = "stop"
-            elif len(s.out) >= p.max_tokens or position >= engine.max_model_len:
-                s.finish = "length"
-            else:
-                _cover(s.table, position + 1, bs, allocate)
-                still.append(i)
-        active = still
-        if active:
-            logits = engine.decode(
-                [
-                    DecodeRequest(
-                        seqs[i].out[-1],
-                        len(seqs[i].req.prompt_ids) + len(seqs[i].out) - 1,
-                        seqs[i].table,
-                    )
-                    for i in active
-                ]
-            )
+    base = id(seqs)
+    try:
+        gens = [make_generator(s.req.params, engine.device) for s in seqs]
+        # NOTE: seq ids let the engine keep each table between steps; they are forgotten
+        # at the end, so ids may repeat across calls.
+        logits = engine.prefill(
+            [
+                PrefillRequest(s.req.prompt_ids, s.table, s.req.num_cached_tokens, base + i)
+                for i, s in enumerate(seqs)
+            ]
+        ).prefill_logits
+        active = list(range(len(seqs)))
+        while active:
+            tokens = sample(logits, [seqs[i].req.params for i in active], [gens[i] for i in active])
+            still: list[int] = []
+            for i, tok in zip(active, tokens, strict=True):
+                s = seqs[i]
+                s.out.append(tok)
+                position = len(s.req.prompt_ids) + len(s.out) - 1  # where `tok` would go
+                p = s.req.params
+                if (
+                    (tok in eos and not p.ignore_eos)
+                    or tok in p.stop_token_ids
+                    or s.stop.append(tok) is not None
+                ):
+                    s.finish = "stop"
+                elif len(s.out) >= p.max_tokens or position >= engine.max_model_len:
+                    s.finish = "length"
+                else:
+                    _cover(s.table, position + 1, bs, allocate)
+                    still.append(i)
+            active = still
+            if active:
+                logits = engine.decode(
+                    [
+                        DecodeRequest(
+                            seqs[i].out[-1],
+                            len(seqs[i].req.prompt_ids) + len(seqs[i].out) - 1,
+                            seqs[i].table,
+                            base + i,
+                        )
+                        for i in active
+                    ]
+                )
+    finally:
+        for i in range(len(seqs)):
+            engine.forget(base + i)
     return [
         GenerationResult(
             token_ids=s.out,

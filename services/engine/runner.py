@@ -39,8 +39,9 @@ def activation_reserve_bytes(
 ) -> int:
     """A rough upper bound of one forward's live activations on one rank.
 
-    NOTE: an estimate rather than a profiling run: a profiling forward at start-up
-    would need the pool it is sizing. It counts the widest per-token tensors alive at
+    NOTE: on CUDA a profiling forward measures the real figure (``ModelRunner.
+    _profile_forward_bytes``); this estimate is its floor, and the reserve elsewhere. It
+    counts the widest per-token tensors alive at
     once (residual, norms, q/k/v, the MLP's gate and up) plus float32 logits.
     """
     width = torch.empty((), dtype=dtype).element_size()
@@ -87,18 +88,53 @@ class ModelRunner:
                 self.model = self._build(st)
             finally:
                 st.close()
-        self.pool = KVPool(self._pool_shape(free_before), self.device)
-        self.tables = BlockTables(self.pool.num_blocks)  # persistent, keyed by seq_id
         # NOTE: on CUDA one paged varlen kernel reads the block tables itself; where it
         # cannot run (block size, dtype, GPU generation) attention takes the portable
         # path of runs and gathers, and the reason is logged once.
         self.paged_kernel = False
         if self.device.type == "cuda":
-            self.paged_kernel, why = cuda_paged_attention_available(
-                self.pool.block_size, self.dtype
-            )
+            self.paged_kernel, why = cuda_paged_attention_available(config.block_size, self.dtype)
             if not self.paged_kernel:
                 log.warning("CUDA paged attention kernel not used: %s", why)
+        reserve = 0
+        if self.device.type == "cuda":
+            reserve = self._profile_forward_bytes()
+        self.pool = KVPool(self._pool_shape(free_before, reserve), self.device)
+        self.tables = BlockTables(self.pool.num_blocks)  # persistent, keyed by seq_id
+
+    def profile_forward(self) -> KVPool:
+        """Run the largest forward a step may run (a ``max_num_batched_tokens`` prefill,
+        logits included) on a throwaway pool just big enough; returns that pool.
+
+        The real pool and tables are untouched (the runner's are restored after).
+        """
+        ec = self.config
+        n = min(ec.max_num_batched_tokens, self.max_model_len)
+        blocks = math.ceil(n / ec.block_size)
+        probe = KVPool(self._shape(blocks), self.device)
+        saved = (getattr(self, "pool", None), getattr(self, "tables", None))
+        self.pool, self.tables = probe, BlockTables(blocks)
+        try:
+            prompt = [0] * n
+            self.execute([PrefillRequest(prompt, list(range(blocks)))], [])
+        finally:
+            if saved[0] is not None and saved[1] is not None:
+                self.pool, self.tables = saved[0], saved[1]
+        return probe
+
+    def _profile_forward_bytes(self) -> int:
+        """Peak CUDA memory of :meth:`profile_forward` beyond the weights and its own
+        pool: every activation and scratch buffer a step can need."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        probe = self.profile_forward()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base - probe.nbytes
+        del probe
+        torch.cuda.empty_cache()
+        log.info("profiled forward: %.1f MiB of activations and scratch", peak / 2**20)
+        return max(0, peak)
 
     def _build(self, source: WeightSource) -> LlamaForCausalLM:
         return build_model(
@@ -110,22 +146,31 @@ class ModelRunner:
             tp_size=self.tp_size,
         )
 
-    def _pool_shape(self, free_before: int) -> KVPoolShape:
+    def _shape(self, num_blocks: int) -> KVPoolShape:
         mc, ec = self.model_config, self.config
-        probe = KVPoolShape(
+        return KVPoolShape(
             num_layers=mc.num_layers,
-            num_blocks=0,
+            num_blocks=num_blocks,
             block_size=ec.block_size,
             num_kv_heads=mc.num_kv_heads // self.tp_size,
             head_dim=mc.head_dim,
             dtype=self.dtype,
         )
+
+    def _pool_shape(self, free_before: int, profiled: int) -> KVPoolShape:
+        """The pool's shape: on CUDA from the memory left after the weights and the
+        profiled forward (``profiled`` bytes), elsewhere from ``kv_cache_bytes``."""
+        mc, ec = self.model_config, self.config
+        probe = self._shape(0)
         if self.device.type == "cuda":
+            # NOTE: the estimate stays as a floor: allocator fragmentation and the
+            # decode steps' shapes are not in one profiling prefill.
+            estimate = activation_reserve_bytes(mc, ec, self.dtype, self.tp_size)
             budget = cuda_kv_budget(
                 free_before,
                 ec.gpu_memory_utilization,
                 weight_bytes(self.model),
-                activation_reserve_bytes(mc, ec, self.dtype, self.tp_size),
+                max(profiled, estimate),
             )
         else:
             budget = ec.kv_cache_bytes
@@ -137,14 +182,7 @@ class ModelRunner:
             n = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
             dist.all_reduce(n, op=dist.ReduceOp.MIN)
             num_blocks = int(n.item())
-        return KVPoolShape(
-            num_layers=probe.num_layers,
-            num_blocks=num_blocks,
-            block_size=probe.block_size,
-            num_kv_heads=probe.num_kv_heads,
-            head_dim=probe.head_dim,
-            dtype=probe.dtype,
-        )
+        return self._shape(num_blocks)
 
     def forget(self, seq_ids: Sequence[int]) -> None:
         """Drop the persistent tables of sequences that ended or were reallocated."""

@@ -88,6 +88,11 @@ class BlockPool:
     def num_blocks(self) -> int:
         return len(self.blocks)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks in the hash index (in use or cached-free): an upper bound of any hit."""
+        return len(self.cached)
+
     def get_cached(self, block_hash: BlockHash) -> KVBlock | None:
         return self.cached.get(block_hash)
 

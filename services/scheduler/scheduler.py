@@ -406,6 +406,15 @@ class Scheduler:
         """Admit ``seq`` from the waiting queue (or fail it); False when it must wait
         for blocks."""
         resumed = seq.cache is not None  # committed once, preempted since: recompute
+        n = seq.prefill_len
+        # Token slots it can ever use: the last sampled token is never fed back.
+        cap = seq.prompt_len + seq.params.max_tokens - 1
+        least = max(n, min(n + 1, cap))  # up to the first decode's slot
+        want = max(least, min(cap, n + self.settings.decode_reserve_blocks * self.block_size))
+        if self.running and not self._may_fit(seq, want, resumed):
+            # NOTE: a cheap bound first: a request that cannot fit is otherwise planned
+            # (its prompt hashed), allocated and aborted again every step it waits.
+            return False
         if resumed and seq.plan is not None:
             # NOTE: the first admission's plan stands: re-planning would look entries
             # up again, and the cache report (what is billed) is the first admission's.
@@ -413,11 +422,6 @@ class Scheduler:
         else:
             schedule = admission.key_schedule(seq.key_spans)
             cp = admission.plan(self.manager, seq.prompt, schedule, seq.breakpoints)
-        n = seq.prefill_len
-        # Token slots it can ever use: the last sampled token is never fed back.
-        cap = seq.prompt_len + seq.params.max_tokens - 1
-        least = max(n, min(n + 1, cap))  # up to the first decode's slot
-        want = max(least, min(cap, n + self.settings.decode_reserve_blocks * self.block_size))
         try:
             alloc = self._allocate(cp, n, want)
         except PoolExhaustedError as exc:
@@ -448,6 +452,17 @@ class Scheduler:
             seq.t_admit = time.perf_counter()
             self._trace_admission(seq)
         return True
+
+    def _may_fit(self, seq: SequenceState, slots: int, resumed: bool) -> bool:
+        """Whether ``slots`` token slots could be had at all: the free blocks plus as
+        many cache hits as the prompt has full blocks and the pool has cached blocks
+        (an upper bound), and for a readmission the headroom too."""
+        hits = min(seq.prompt_len // self.block_size, self.pool.num_cached_blocks)
+        need = -(-slots // self.block_size) - hits
+        if resumed:
+            per_seq = -(-self.settings.readmit_headroom_tokens // self.block_size)
+            need += per_seq * (len(self.running) + 1)
+        return len(self.pool.free_queue) >= need
 
     def _headroom_after(self) -> bool:
         """Whether the free blocks cover `readmit_headroom_tokens` of growth for every

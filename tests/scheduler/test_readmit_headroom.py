@@ -43,3 +43,33 @@ async def test_headroom_stops_preemption_ping_pong() -> None:
     calm, spaced = await _run(64)
     assert calm * 2 <= churn, (calm, churn)
     assert spaced == plain  # greedy tokens do not depend on when recomputes happen
+
+
+@pytest.mark.timeout(60)
+async def test_waiting_request_that_cannot_fit_is_not_allocated_every_step() -> None:
+    """While a request cannot possibly fit, admission does not plan, allocate and abort
+    it again at every step (host work that grew with every waiting request)."""
+    s = Scheduler(_engine(20), ReplicaSettings(name="r-fit", max_num_batched_tokens=256))
+    attempts: list[int] = []
+    real = s._allocate
+
+    def spy(cp, n, slots):  # type: ignore[no-untyped-def]
+        attempts.append(slots)
+        return real(cp, n, slots)
+
+    s._allocate = spy  # type: ignore[method-assign]
+    s.start()
+    try:
+        # The runner grows to 15 of the 20 blocks; the big one needs 14: it must wait.
+        runner = s.submit(GenerateRequest(token_ids=[7] * 32, max_tokens=200, ignore_eos=True))
+        while len(runner.output) < 150:  # 182 tokens: 12 blocks held, 8 free
+            await asyncio.sleep(0.005)
+        steps_before = s.steps
+        big = s.submit(GenerateRequest(token_ids=[9] * 200, max_tokens=8, ignore_eos=True))
+        await asyncio.wait_for(asyncio.gather(runner.done, big.done), WAIT_S)
+    finally:
+        await s.stop()
+    assert len(big.output) == 8 and len(runner.output) == 200
+    big_attempts = [a for a in attempts if a >= 200]
+    assert s.steps - steps_before > 30
+    assert len(big_attempts) <= 3, (len(big_attempts), s.steps - steps_before)
