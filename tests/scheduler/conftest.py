@@ -57,3 +57,20 @@ def wait_ready(url: str, proc: subprocess.Popen[str], timeout: float = 60) -> No
             raise AssertionError(f"replica exited with {proc.returncode}: {out or ''}{err or ''}")
         assert time.time() < deadline, "replica never became ready"
         time.sleep(0.2)
+
+
+SMALL_LEN = 256  # max_model_len of the small engine
+SMALL_BLOCKS = 16  # its pool: exactly one max_model_len sequence of 16-token blocks
+
+
+@pytest.fixture(scope="module")
+def small_engine() -> Engine:
+    cfg = ModelConfig.tiny()
+    per_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * (cfg.hidden_size // cfg.num_heads) * 4
+    eng = Engine(
+        cfg,
+        EngineConfig(kv_cache_bytes=SMALL_BLOCKS * per_block, max_model_len=SMALL_LEN),
+        seed=3,
+    )
+    assert eng.num_blocks == SMALL_BLOCKS
+    return eng

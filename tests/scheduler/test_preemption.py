@@ -9,33 +9,17 @@ import random
 import pytest
 from prometheus_client import generate_latest
 
-from cachepoint.engine import Engine, EngineConfig, ModelConfig
+from cachepoint.engine import Engine
 from cachepoint.scheduler.metrics import ReplicaMetrics
 from cachepoint.scheduler.scheduler import Scheduler
 from cachepoint.scheduler.schemas import GenerateRequest, GenerateResponse
 from cachepoint.scheduler.sequence import PrefillDone, SequenceState, TokenEvent
 from cachepoint.scheduler.settings import ReplicaSettings
 
-SMALL_LEN = 256  # max_model_len of the small engine
-SMALL_BLOCKS = 16  # its pool: exactly one max_model_len sequence of 16-token blocks
-
 
 def _prompt(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(256) for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def small_engine() -> Engine:
-    cfg = ModelConfig.tiny()
-    per_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * (cfg.hidden_size // cfg.num_heads) * 4
-    eng = Engine(
-        cfg,
-        EngineConfig(kv_cache_bytes=SMALL_BLOCKS * per_block, max_model_len=SMALL_LEN),
-        seed=3,
-    )
-    assert eng.num_blocks == SMALL_BLOCKS
-    return eng
 
 
 async def _drain(seq: SequenceState) -> list[TokenEvent | PrefillDone]:

@@ -3,35 +3,24 @@
 from __future__ import annotations
 
 import asyncio
-import random
 
 import httpx
 import pytest
 from pydantic import ValidationError
 
-from cachepoint.engine import Engine, EngineConfig, ModelConfig
+from cachepoint.engine import Engine
 from cachepoint.scheduler.api.app import create_app
 from cachepoint.scheduler.scheduler import Scheduler
 from cachepoint.scheduler.schemas import GenerateRequest
 from cachepoint.scheduler.sequence import SequenceState
 from cachepoint.scheduler.settings import ReplicaSettings
 
+from .conftest import SMALL_BLOCKS
+from .test_preemption import _prompt
+
 WAIT_S = 60
-BLOCKS = 16  # the small engine's pool: one max_model_len (256) sequence of 16-token blocks
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(256) for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def small_engine() -> Engine:
-    cfg = ModelConfig.tiny()
-    per_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * (cfg.hidden_size // cfg.num_heads) * 4
-    eng = Engine(cfg, EngineConfig(kv_cache_bytes=BLOCKS * per_block, max_model_len=256), seed=3)
-    assert eng.num_blocks == BLOCKS
-    return eng
+# NOTE: the preemption tests' small engine: one max_model_len (256) sequence of blocks.
+BLOCKS = SMALL_BLOCKS
 
 
 def _req(n: int, seed: int, max_tokens: int, priority: int = 0) -> GenerateRequest:
