@@ -156,6 +156,27 @@ def _prefill(
     return merge(parts)
 
 
+def _lane_parts(layer: int, q: torch.Tensor, pool: KVPool, span: DecodeSpan) -> Partial:
+    """The lanes' private long runs, read in place, as one ``[batch, H, D]`` partial.
+
+    Lanes with no long private run contribute nothing here: weight exp(-inf) = 0.
+    """
+    batch, heads, dim = q.shape
+    kv_heads = pool.shape.num_kv_heads
+    per_lane: dict[int, list[Partial]] = {}
+    for lane, seg in span.lane_segments:
+        ck, cv = pool.segment(layer, seg.block, seg.tokens)
+        qf = _fold(q[lane : lane + 1], kv_heads)
+        part = _unfold(partial_attention(qf, ck.unsqueeze(0), cv.unsqueeze(0)), 1)
+        per_lane.setdefault(lane, []).append(part)
+    lane_out = q.new_zeros(batch, heads, dim, dtype=torch.float32)
+    lane_lse = q.new_full((batch, heads), float("-inf"), dtype=torch.float32)
+    for lane, lane_parts in per_lane.items():
+        lane_out[lane] = merge(lane_parts)[0]
+        lane_lse[lane] = torch.logsumexp(torch.stack([lse for _, lse in lane_parts]), 0)[0]
+    return lane_out, lane_lse
+
+
 def _decode(layer: int, q: torch.Tensor, pool: KVPool, span: DecodeSpan) -> torch.Tensor:
     """``[batch, H, D]`` attention of the decode rows (their K/V already in the pool)."""
     batch, heads, dim = q.shape
@@ -167,25 +188,13 @@ def _decode(layer: int, q: torch.Tensor, pool: KVPool, span: DecodeSpan) -> torc
             ck, cv = pool.segment(layer, seg.block, seg.tokens)
             parts.append(_unfold(partial_attention(qf, ck.unsqueeze(0), cv.unsqueeze(0)), batch))
     if span.lane_segments:
-        if batch == 1 and len(span.lane_segments) == 1 and not parts and span.rest is None:
-            # The common lone-sequence case: one run, no merge.
-            ck, cv = pool.segment(
-                layer, span.lane_segments[0][1].block, span.lane_segments[0][1].tokens
-            )
-            return _unfold(partial_attention(_fold(q, kv_heads), ck[None], cv[None]), 1)[0]
-        per_lane: dict[int, list[Partial]] = {}
-        for lane, seg in span.lane_segments:
-            ck, cv = pool.segment(layer, seg.block, seg.tokens)
-            qf = _fold(q[lane : lane + 1], kv_heads)
-            part = _unfold(partial_attention(qf, ck.unsqueeze(0), cv.unsqueeze(0)), 1)
-            per_lane.setdefault(lane, []).append(part)
-        # Lanes with no long private run contribute nothing here: weight exp(-inf) = 0.
-        lane_out = q.new_zeros(batch, heads, dim, dtype=torch.float32)
-        lane_lse = q.new_full((batch, heads), float("-inf"), dtype=torch.float32)
-        for lane, lane_parts in per_lane.items():
-            lane_out[lane] = merge(lane_parts)[0]
-            lane_lse[lane] = torch.logsumexp(torch.stack([lse for _, lse in lane_parts]), 0)[0]
-        parts.append((lane_out, lane_lse))
+        if batch == 1:
+            # A lone sequence: its runs are plain parts, no per-lane bookkeeping.
+            for _, seg in span.lane_segments:
+                ck, cv = pool.segment(layer, seg.block, seg.tokens)
+                parts.append(_unfold(partial_attention(_fold(q, kv_heads), ck[None], cv[None]), 1))
+        else:
+            parts.append(_lane_parts(layer, q, pool, span))
     if span.rest is not None:
         ck, cv = pool.gather_blocks(layer, span.rest)  # [batch, Hkv, P * bs, D]
         q4 = q.reshape(batch, kv_heads, heads // kv_heads, dim)  # the group as query rows
