@@ -218,14 +218,12 @@ class ModelRunner:
             spans.append(plan_prefill(table, row, row + n - m, m, n, bs, dev))
             row += n - m
         decode: DecodeSpan | None = None
-        seq_tables = [t for t, _ in kernel_rows]
         if decodes:
             tables = [
                 self.tables.get(d.seq_id, d.block_table, d.position // bs + 1, f"decode {i}")
                 for i, d in enumerate(decodes)
             ]
             at = [d.position for d in decodes]
-            seq_tables.extend(tables)
             kernel_rows.extend((t, (1, p + 1)) for t, p in zip(tables, at, strict=True))
             decode, decode_slots = plan_decode(tables, at, row, bs, dev)
             ids.extend(d.token_id for d in decodes)
@@ -234,9 +232,10 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         meta = AttentionMetadata(torch.cat(slots).to(dev), spans, decode)
         if self.paged_kernel:
+            tabs = [t for t, _ in kernel_rows]
             rows = [q for _, (q, _) in kernel_rows]
             keys = [k for _, (_, k) in kernel_rows]
-            meta.varlen = plan_varlen(seq_tables, rows, keys, dev)
+            meta.varlen = plan_varlen(tabs, rows, keys, dev)
         return input_ids, torch.cat(positions).to(dev), meta
 
     def execute(

@@ -18,6 +18,7 @@ import torch
 
 from cachepoint.engine import EngineConfig, ModelConfig, PrefillRequest, attention, attention_plan
 from cachepoint.engine.attention import paged_attention
+from cachepoint.engine.attention_cuda import reference_paged_attention
 from cachepoint.engine.batch import DecodeRequest
 from cachepoint.engine.runner import ModelRunner
 
@@ -206,3 +207,45 @@ def test_fragmented_decode_lane_is_gathered_by_slice(monkeypatch: pytest.MonkeyP
     for i in range(2):
         expected = reference(q[i : i + 1], ks[i], vs[i])
         assert (out[i : i + 1].double() - expected).abs().max().item() <= 1e-5
+
+
+def test_varlen_metadata_drives_the_reference_to_the_same_output() -> None:
+    """The metadata the CUDA kernel would get (built from the persistent tables), fed
+    to the float64 paged reference, gives what the CPU path computes for the same step:
+    the wiring of the GPU path, checked without a GPU."""
+    config = ModelConfig.tiny(num_heads=4, num_kv_heads=2, hidden_size=32)
+    runner = ModelRunner(
+        config, EngineConfig(block_size=BLOCK, device="cpu", kv_cache_bytes=8 << 20)
+    )
+    pool, layer = runner.pool, 0
+    rng = random.Random(5)
+    free = list(range(pool.num_blocks))
+    rng.shuffle(free)
+    shapes = [(30, 9), (17, 0)]  # prefills: (N, cached)
+    positions = [22, 5]  # decodes
+    seqs = [(n, m, [free.pop() for _ in range(-(-n // BLOCK))]) for n, m in shapes]
+    seqs += [(p + 1, p, [free.pop() for _ in range(p // BLOCK + 1)]) for p in positions]
+    for _n, m, blocks in seqs:  # the cached K/V, as earlier steps left it
+        slots = torch.tensor([blocks[i // BLOCK] * BLOCK + i % BLOCK for i in range(m)])
+        if m:
+            pool.write(layer, slots, torch.randn(m, 2, 8), torch.randn(m, 2, 8))
+    prefills = [PrefillRequest([1] * n, b, m, seq_id=i) for i, (n, m, b) in enumerate(seqs[:2])]
+    decodes = [DecodeRequest(1, m, b, seq_id=9 + i) for i, (_n, m, b) in enumerate(seqs[2:])]
+    runner.paged_kernel = True  # as on a GPU whose kernel can run
+    _ids, _pos, meta = runner._metadata(prefills, decodes)
+    vm = meta.varlen
+    assert vm is not None
+    assert vm.cu_seqlens_q.tolist() == [0, 21, 38, 39, 40]
+    assert vm.seq_lens.tolist() == [30, 17, 23, 6]
+    for row, (_n, _m, blocks) in zip(vm.block_tables.tolist(), seqs, strict=True):
+        assert row[: len(blocks)] == blocks
+    tokens = 40
+    q, k, v = torch.randn(tokens, 4, 8), torch.randn(tokens, 2, 8), torch.randn(tokens, 2, 8)
+    meta.varlen = None  # the CPU path for the same step
+    with torch.inference_mode():
+        out = paged_attention(layer, q, k, v, pool, meta)  # also writes the new K/V
+    k_cache, v_cache = pool.head_major(layer)
+    expected = reference_paged_attention(
+        q, k_cache, v_cache, vm.cu_seqlens_q, vm.seq_lens, vm.block_tables, vm.max_q, vm.max_k
+    )
+    assert (out.double() - expected.double()).abs().max().item() <= 1e-5
