@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -52,6 +51,11 @@ from cachepoint.scheduler.random_model import RANDOM_CONTEXT
 from cachepoint.stack import Stack, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+# NOTE: the environment a user sets for Claude Code is the client tests' own, so the
+# bench runs the CLI exactly as they do (PYTHONSAFEPATH keeps that folder off the path).
+sys.path.insert(0, str(ROOT / "tests" / "clients"))
+from harness import claude_env  # noqa: E402
+
 CLAUDE = ROOT / ".tools" / "node" / "node_modules" / ".bin" / "claude"
 PROMPTS = [
     "say hi",
@@ -78,22 +82,6 @@ class Turn:
     def read_share(self) -> float:
         p = self.buckets.prompt_tokens
         return self.buckets.cache_read_input_tokens / p if p else 0.0
-
-
-def claude_env(base_url: str, api_key: str, home: Path) -> dict[str, str]:
-    return {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "HOME": str(home),
-        "LANG": "C.UTF-8",
-        "TMPDIR": str(home),
-        "ANTHROPIC_BASE_URL": base_url,
-        "ANTHROPIC_API_KEY": api_key,
-        "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(RANDOM_CONTEXT),
-        "DISABLE_TELEMETRY": "1",
-        "DISABLE_AUTOUPDATER": "1",
-        "DISABLE_ERROR_REPORTING": "1",
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-    }
 
 
 def ledger_rows(db_url: str) -> list[tuple[str, str, Buckets]]:
@@ -149,7 +137,7 @@ def run_session(
             "# notes\nA scratch project for the Claude Code bench.\n"
         )
     home, project = work / "home", work / "project"
-    env = claude_env(base_url, api_key, home)
+    env = claude_env(base_url, api_key, home, RANDOM_CONTEXT)
     out: list[Turn] = []
     seen = len(ledger_rows(db_url))
     for i in range(turns):
