@@ -7,6 +7,7 @@ It imports nothing else of Cachepoint's.
 from .allocation import Allocation, AllocationError, AllocationState
 from .block import KVBlock
 from .clock import Clock, ManualClock, monotonic_clock
+from .copies import BlockCopy
 from .entries import CacheEntry
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from .eviction import (
@@ -40,12 +41,15 @@ from .manager import MAX_LOOKBACK, CacheStats, EntryHit, EntryWrite, KVCacheMana
 from .pool import BlockCounts, BlockPool, PoolExhaustedError
 from .prefix_index import PrefixIndex
 from .retention import TTL_1H, TTL_5M, TTL_SECONDS, UNATTRIBUTED, RetainResult, RetentionOwner
+from .tier import TIER_ORDER, Tier
+from .tier_store import SlotState, TierSlot, TierStats, TierStore
 
 __all__ = [
     "DEFAULT_EVICTION",
     "EVICTION_POLICIES",
     "MAX_LOOKBACK",
     "ROOT_HASH",
+    "TIER_ORDER",
     "TTL_1H",
     "TTL_5M",
     "TTL_SECONDS",
@@ -54,6 +58,7 @@ __all__ = [
     "Allocation",
     "AllocationError",
     "AllocationState",
+    "BlockCopy",
     "BlockCounts",
     "BlockHash",
     "BlockPool",
@@ -89,6 +94,11 @@ __all__ = [
     "ReuseHistogram",
     "SegmentedFreeQueue",
     "SegmentedLRUEviction",
+    "SlotState",
+    "Tier",
+    "TierSlot",
+    "TierStats",
+    "TierStore",
     "encode_tokens",
     "entry_key",
     "entry_key_at",

@@ -9,9 +9,11 @@ from typing import TYPE_CHECKING
 
 from .block import KVBlock
 from .hashing import BlockHash
+from .tier import Tier
 
 if TYPE_CHECKING:
     from .pool import BlockPool
+    from .tier_store import TierSlot, TierStore
 
 
 class AllocationState(enum.Enum):
@@ -37,11 +39,13 @@ class Allocation:
     __slots__ = (
         "_ids",
         "_num_published",
+        "_pins",
         "_pool",
         "block_hashes",
         "blocks",
         "num_hit_blocks",
         "num_tokens",
+        "promoted_by_tier",
         "state",
     )
 
@@ -52,14 +56,22 @@ class Allocation:
         num_hit_blocks: int,
         block_hashes: Sequence[BlockHash],
         num_tokens: int,
+        *,
+        num_published: int | None = None,
+        pins: Sequence[tuple[TierStore, TierSlot]] = (),
+        promoted_by_tier: dict[Tier, int] | None = None,
     ) -> None:
         self._pool = pool
         self.blocks = blocks  # the block table: hit blocks first, then new ones
-        self.num_hit_blocks = num_hit_blocks  # leading blocks taken from the cache
+        self.num_hit_blocks = num_hit_blocks  # leading blocks hit, on the device or below
         self.block_hashes = list(block_hashes)  # chain hashes of the full blocks known so far
         self.num_tokens = num_tokens  # token slots this table covers
         self.state = AllocationState.PENDING
-        self._num_published = num_hit_blocks  # leading blocks already in the index
+        # leading blocks already in the device index: the device hits; promoted blocks
+        # after them are published by `commit`, once their copies and forward succeeded
+        self._num_published = num_hit_blocks if num_published is None else num_published
+        self._pins = list(pins)  # lower-tier slots read by promotion copies, until settled
+        self.promoted_by_tier = promoted_by_tier or {}  # promoted hit blocks per source tier
         self._ids = [b.block_id for b in blocks]  # `blocks`' ids, kept in step with it
 
     # ------------------------------------------------------------------ views
@@ -77,6 +89,11 @@ class Allocation:
     def num_cached_tokens(self) -> int:
         """Tokens whose KV is already in the pool; prefill starts here."""
         return self.num_hit_blocks * self._pool.block_size
+
+    @property
+    def num_promoted_blocks(self) -> int:
+        """Hit blocks brought up from a lower tier (they count in `num_hit_blocks`)."""
+        return sum(self.promoted_by_tier.values())
 
     @property
     def new_blocks(self) -> list[KVBlock]:
@@ -115,6 +132,7 @@ class Allocation:
                 self.blocks[start:upto], self.block_hashes[start:upto], parent
             )
             self._num_published = upto
+        self._unpin()
         self.state = AllocationState.COMMITTED
         return stored
 
@@ -122,6 +140,7 @@ class Allocation:
         """Return every block and publish nothing. Refcounts end where they began."""
         self._require(AllocationState.PENDING)
         self.state = AllocationState.ABORTED
+        self._unpin()
         self._pool.free(reversed(self.blocks))
         self.blocks = []
         self._ids = []
@@ -133,6 +152,11 @@ class Allocation:
         self._pool.free(reversed(self.blocks))
         self.blocks = []
         self._ids = []
+
+    def _unpin(self) -> None:
+        pins, self._pins = self._pins, []
+        for store, slot in pins:
+            store.unpin(slot)
 
     def close(self) -> None:
         """Abort if pending, free if committed, nothing if already done. Idempotent."""

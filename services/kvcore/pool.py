@@ -12,10 +12,13 @@ from dataclasses import dataclass
 
 from .block import KVBlock
 from .clock import Clock, monotonic_clock
+from .copies import BlockCopy
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from .eviction import EvictionPolicy, FreeQueue, LRUEviction
 from .hashing import BlockHash
 from .retention import UNATTRIBUTED, DeadlineHeap, RetainResult, RetentionOwner
+from .tier import Tier
+from .tier_store import TierSlot, TierStats, TierStore
 
 
 class PoolExhaustedError(RuntimeError):
@@ -57,6 +60,7 @@ class BlockPool:
         owner_share: float = 1.0,
         clock: Clock = monotonic_clock,
         eviction: EvictionPolicy | None = None,
+        lower: TierStore | None = None,
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
@@ -81,6 +85,13 @@ class BlockPool:
         self._num_cached_free = 0
         self._num_retained = 0
         self._owned: dict[str, int] = {}  # owner key -> retained blocks charged to it (> 0)
+        self._copies: list[BlockCopy] = []  # queued tier copies, in the order they must run
+        self.num_retained_demotions = 0  # retained blocks moved down to make room, ever
+        # NOTE: the tiers below share this pool's event and copy logs (drained in place,
+        # never rebound), so one ordered stream covers the whole hierarchy.
+        self.lower = lower  # the host tier (and the disk tier below it), if any
+        if lower is not None:
+            lower.bind(self._events, self._copies, self.cached.__contains__)
 
     # ---------------------------------------------------------------- lookup
 
@@ -107,6 +118,19 @@ class BlockPool:
             hits.append(block)
         return hits
 
+    def match_lower(self, block_hashes: Sequence[BlockHash]) -> list[tuple[TierStore, TierSlot]]:
+        """Lower-tier slots for the longest leading run of ``block_hashes`` found below."""
+        lower = self.lower
+        if lower is None:
+            return []
+        hits: list[tuple[TierStore, TierSlot]] = []
+        for h in block_hashes:
+            found = lower.find(h)
+            if found is None:
+                break
+            hits.append(found)
+        return hits
+
     # ----------------------------------------------------------- ref counting
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -128,6 +152,8 @@ class BlockPool:
         if n <= 0:
             return []
         self.expire()
+        if n > len(self.free_queue) and self.lower is not None:
+            self._demote_retained(n - len(self.free_queue))
         if n > len(self.free_queue):
             raise PoolExhaustedError(
                 f"need {n} free blocks, have {len(self.free_queue)} "
@@ -144,6 +170,10 @@ class BlockPool:
                 block.block_hash = None
                 evicted.append(h)
                 self._num_cached_free -= 1
+                if self.lower is not None:
+                    # NOTE: reserved before anything is written to the block: its copy
+                    # down is queued ahead of whatever will fill the block next.
+                    self.lower.reserve(h, Tier.DEVICE, block.block_id)
             block.ref_cnt = 1
             block.hits = 0
         self._num_active += n
@@ -151,6 +181,45 @@ class BlockPool:
             self.num_evictions += len(evicted)
             self._events.append(BlockRemoved(tuple(evicted)))
         return out
+
+    def _demote_retained(self, short: int) -> None:
+        """Move up to ``short`` retained cached-free blocks down a tier to free their blocks.
+
+        NOTE: a TTL sold for an hour must not pin device memory for an hour: under
+        pressure the retention travels down with the block (earliest deadline first,
+        the least recently refreshed), charged to the same owner in the lower tier.
+        """
+        lower = self.lower
+        assert lower is not None
+        parked = [b for b in self.cached.values() if b.ref_cnt == 0 and b.retained_until > 0.0]
+        parked.sort(key=lambda b: b.retained_until)
+        removed: list[BlockHash] = []
+        for block in parked[:short]:
+            if not lower.can_accept_retained():
+                break
+            h = block.block_hash
+            owner = block.retained_by
+            assert h is not None and owner is not None
+            slot = lower.reserve(
+                h,
+                Tier.DEVICE,
+                block.block_id,
+                retained_until=block.retained_until,
+                retained_by=owner,
+            )
+            if slot is None:
+                break
+            block.retained_until = 0.0
+            self._uncharge(block)
+            self._num_retained -= 1
+            del self.cached[h]
+            block.block_hash = None
+            self._num_cached_free -= 1
+            self.free_queue.appendleft(block)
+            removed.append(h)
+        if removed:
+            self.num_retained_demotions += len(removed)
+            self._events.append(BlockRemoved(tuple(removed)))
 
     def free(self, ordered_blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block, in the order given.
@@ -200,7 +269,7 @@ class BlockPool:
         for block, h in zip(blocks, block_hashes, strict=True):
             if block.ref_cnt <= 0:
                 raise ValueError(f"block {block.block_id} is not held; publish before free")
-            if block.block_hash is None and h not in cached:
+            if block.block_hash is None and h not in cached and self._claim_from_lower(block, h):
                 block.block_hash = h
                 cached[h] = block
                 if not run:
@@ -214,6 +283,32 @@ class BlockPool:
         if run:
             self._events.append(BlockStored(tuple(run), run_parent))
         return stored
+
+    def _claim_from_lower(self, block: KVBlock, h: BlockHash) -> bool:
+        """Before ``h`` is published on the device, take it out of the tier below.
+
+        A hash is hittable in one place only. A retained block keeps its retention on
+        the way up; False (publish nothing, the lower tier keeps it) when the device's
+        retained share is full, so the TTL guarantee never lapses in transit.
+        """
+        if self.lower is None:
+            return True
+        found = self.lower.find(h)
+        if found is None:
+            return True
+        store, slot = found
+        if slot.retained_until > 0.0:
+            if self._num_retained >= self.max_retained:
+                return False
+            owner = slot.retained_by
+            assert owner is not None
+            block.retained_until = slot.retained_until
+            block.retained_by = owner
+            self._retain_deadlines.push(block.retained_until, block)
+            self._owned[owner] = self._owned.get(owner, 0) + 1
+            self._num_retained += 1
+        store.take(slot, promoted=slot.pins > 0)
+        return True
 
     # -------------------------------------------------------------- retention
 
@@ -346,14 +441,54 @@ class BlockPool:
         self._retain_deadlines.clear()
         self._num_cached_free = 0
         self._num_retained = 0
+        self._copies.clear()
+        if self.lower is not None:
+            self.lower.clear()
         self._events.append(AllBlocksCleared())
 
     # ---------------------------------------------------------- observability
 
     def take_events(self) -> list[KVEvent]:
         """Drain queued events, oldest first."""
-        events, self._events = self._events, []
+        events = self._events[:]
+        self._events.clear()  # in place: the lower tiers append to this same list
         return events
+
+    # ---------------------------------------------------------------- copies
+
+    def take_copies(self) -> list[BlockCopy]:
+        """Drain queued tier copies, in the order the engine must run them."""
+        copies = self._copies[:]
+        self._copies.clear()
+        return copies
+
+    def queue_copy(self, copy: BlockCopy) -> None:
+        self._copies.append(copy)
+
+    def finish_copies(self, copies: Sequence[BlockCopy], ok: bool) -> None:
+        """The engine ran ``copies`` (or failed to): publish or drop what they demoted.
+
+        Promotions need nothing here: their device blocks are published by the
+        request's commit, or returned by its abort.
+        """
+        for copy in copies:
+            if copy.dst_tier is Tier.DEVICE:
+                continue
+            store = self._store(copy.dst_tier)
+            slot = store.slots[copy.dst_index]
+            if ok:
+                store.complete(slot, copy.block_hash)
+            else:
+                store.fail(slot, copy.block_hash)
+
+    def _store(self, tier: Tier) -> TierStore:
+        for store in self.lower or ():
+            if store.tier is tier:
+                return store
+        raise ValueError(f"this pool has no {tier} tier")
+
+    def tier_stats(self) -> list[TierStats]:
+        return [store.stats() for store in self.lower or ()]
 
     def counts(self) -> BlockCounts:
         self.expire()
@@ -403,3 +538,9 @@ class BlockPool:
         assert retained <= self.max_retained, "retained share cap exceeded"
         assert owned == self._owned, f"per-owner counts drifted: {self._owned} != {owned}"
         assert sum(self._owned.values()) == self._num_retained
+        seen = set(self.cached)
+        for store in self.lower or ():
+            store.check_invariants()
+            for h in store._index:
+                assert h not in seen, f"{h!r} is visible in two tiers"
+                seen.add(h)
