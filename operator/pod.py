@@ -24,10 +24,13 @@ from .naming import (
     replica_process_name,
     service_name,
 )
-from .spec import ReplicaSpec
+from .sizes import add_quantity, format_quantity, parse_quantity
+from .spec import STORAGE, ReplicaSpec
 
 GPU_RESOURCE = "nvidia.com/gpu"
 ENV_PREFIX = "CACHEPOINT_REPLICA_"
+DISK_VOLUME = "kv-disk"
+MIB = 2**20
 
 
 def template_hash(spec: ReplicaSpec, config: OperatorConfig) -> str:
@@ -78,6 +81,10 @@ def build_replica_env(
         "MAX_NUM_SEQS": spec.batching.max_num_seqs,
         "MAX_NUM_BATCHED_TOKENS": spec.batching.max_num_batched_tokens,
         "MAX_WAITING": spec.batching.max_waiting,
+        # Byte counts, not the spec's text: the replica and Kubernetes read "G" differently.
+        "KV_HOST_BYTES": spec.kv.host_bytes or None,
+        "KV_DISK_PATH": spec.kv.disk_path if spec.kv.has_disk_tier else None,
+        "KV_DISK_BYTES": spec.kv.disk_bytes or None,
     }
     env = [
         {"name": ENV_PREFIX + key, "value": str(value)}
@@ -123,8 +130,50 @@ def build_replica_env(
     return [item for item in env if item["name"] not in overridden] + [dict(e) for e in spec.env]
 
 
+def _add_resource(resources: dict[str, dict[str, int | str]], name: str, extra: int) -> None:
+    """Raise resource `name` by `extra` bytes: its limit if set, its request if set, and a
+    request of `extra` when neither is (an unset request with a limit is the limit)."""
+    limits, requests = resources.get("limits", {}), resources.get("requests", {})
+    if name in limits:
+        limits[name] = add_quantity(limits[name], extra)
+    if name in requests:
+        requests[name] = add_quantity(requests[name], extra)
+    elif name not in limits:
+        resources.setdefault("requests", {})[name] = format_quantity(extra)
+
+
+def disk_volume_size(spec: ReplicaSpec) -> int:
+    """Bytes to give the disk tier's volume: diskBytes plus room for the filesystem.
+
+    An emptyDir over its sizeLimit gets the pod evicted, and a fresh filesystem on a
+    claim keeps a share for its metadata and for root: the replica's files alone must
+    never fill the volume. Rounded up to whole MiB.
+    """
+    volume = spec.kv.disk_volume
+    if volume is not None and volume.empty_dir is not None and volume.empty_dir.size_limit:
+        return parse_quantity(volume.empty_dir.size_limit)
+    if volume is not None and volume.ephemeral is not None:
+        if volume.ephemeral.size:
+            return parse_quantity(volume.ephemeral.size)
+        headroom = spec.kv.disk_bytes // 8  # ext4 reserves 5% for root, plus metadata
+    else:
+        headroom = spec.kv.disk_bytes // 32  # directory blocks, partial-page rounding
+    size = spec.kv.disk_bytes + headroom + 64 * MIB
+    return -(-size // MIB) * MIB
+
+
 def build_resources(spec: ReplicaSpec) -> dict[str, dict[str, int | str]]:
     resources = {kind: dict(values) for kind, values in spec.resources.items() if values}
+    if spec.kv.host_bytes > 0:
+        # NOTE: the host tier lives in the pod's RAM (pinned memory on GPUs counts
+        # against the container's cgroup): without this a full host tier would get the
+        # member OOM-killed, or it would be scheduled onto a node without the memory.
+        _add_resource(resources, "memory", spec.kv.host_bytes)
+    volume = spec.kv.disk_volume
+    if spec.kv.has_disk_tier and (volume is None or volume.is_empty_dir):
+        # An emptyDir on the node's disk is accounted as the pod's ephemeral storage:
+        # request it, so the pod lands on a node with room for the disk tier.
+        _add_resource(resources, STORAGE, disk_volume_size(spec))
     if spec.gpus_per_pod > 0:
         # Extended resources cannot overcommit: the request must equal the limit.
         gpus = str(spec.gpus_per_pod)
@@ -149,6 +198,40 @@ def build_model_volume(spec: ReplicaSpec) -> tuple[dict[str, Any], dict[str, Any
         volume = {"name": "model", "hostPath": {"path": model.host_path.path, "type": "Directory"}}
         return volume, mount
     return None
+
+
+def build_disk_volume(spec: ReplicaSpec) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """(volume, volumeMount) for the disk tier at kv.diskPath, or None without one."""
+    kv = spec.kv
+    if not kv.has_disk_tier or kv.disk_path is None:
+        return None
+    mount: dict[str, Any] = {"name": DISK_VOLUME, "mountPath": kv.disk_path}
+    source = kv.disk_volume
+    size = format_quantity(disk_volume_size(spec))
+    volume: dict[str, Any] = {"name": DISK_VOLUME}
+    if source is not None and source.host_path is not None:
+        volume["hostPath"] = {"path": source.host_path.path, "type": source.host_path.type}
+        # NOTE: one directory per member: two members scheduled onto the same node must
+        # not share files. kubelet makes it with the node directory's mode.
+        mount["subPathExpr"] = "$(POD_NAME)"
+    elif source is not None and source.ephemeral is not None:
+        claim: dict[str, Any] = {
+            "accessModes": ["ReadWriteOnce"],
+            "resources": {"requests": {"storage": size}},
+        }
+        if source.ephemeral.storage_class_name:
+            claim["storageClassName"] = source.ephemeral.storage_class_name
+        # A generic ephemeral volume: made with the pod, deleted with it, node-local when
+        # the storage class is.
+        volume["ephemeral"] = {
+            "volumeClaimTemplate": {
+                "metadata": {"labels": {"cachepoint.dev/volume": DISK_VOLUME}},
+                "spec": claim,
+            }
+        }
+    else:
+        volume["emptyDir"] = {"sizeLimit": size}
+    return volume, mount
 
 
 def build_probes(port_name: str = PORT_NAME) -> dict[str, dict[str, Any]]:
@@ -190,6 +273,10 @@ def build_replica_pod(
     if model_volume is not None:
         volumes.append(model_volume[0])
         mounts.append(model_volume[1])
+    disk_volume = build_disk_volume(spec)
+    if disk_volume is not None:
+        volumes.append(disk_volume[0])
+        mounts.append(disk_volume[1])
 
     container: dict[str, Any] = {
         "name": CONTAINER,
@@ -220,6 +307,10 @@ def build_replica_pod(
         "containers": [container],
         "volumes": volumes,
     }
+    ephemeral = spec.kv.disk_volume.ephemeral if spec.kv.disk_volume else None
+    if spec.kv.has_disk_tier and ephemeral is not None:
+        pod_spec["securityContext"]["fsGroup"] = ephemeral.fs_group
+        pod_spec["securityContext"]["fsGroupChangePolicy"] = "OnRootMismatch"
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:

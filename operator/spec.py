@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
 from .naming import MAX_NAME_LENGTH
+from .sizes import parse_kv_size, parse_quantity
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
@@ -52,6 +53,55 @@ class ModelSpec(_Spec):
 EvictionName = Literal["lru", "slru", "reuse_credit", "hit_density"]  # kvcore's registry
 
 
+# A KV size as the replica reads it (8Gi, 8GiB, bytes), held as a byte count.
+KVSize = Annotated[int, BeforeValidator(parse_kv_size)]
+# NOTE: the replica images' group (docker/replica-*.Dockerfile): a fresh filesystem on a
+# claim is root's, and the non-root replica must write its disk-tier files there.
+REPLICA_GID = 10001
+STORAGE = "ephemeral-storage"  # the node-disk resource an emptyDir is accounted to
+
+
+class EmptyDirDisk(_Spec):
+    # The volume's cap; default: diskBytes plus headroom for the filesystem (pod.py).
+    size_limit: int | str | None = None
+
+
+class HostPathDisk(_Spec):
+    # A directory on the node (node-local NVMe), writable by the replica's user.
+    path: str = Field(pattern=r"^/")
+    # Directory: it must exist (prepared on the node); DirectoryOrCreate: kubelet makes it.
+    type: Literal["Directory", "DirectoryOrCreate"] = "Directory"
+
+
+class EphemeralDisk(_Spec):
+    # A storage class that provisions node-local volumes (local-path, TopoLVM, ...).
+    storage_class_name: str | None = None
+    # The claim's size; default: diskBytes plus headroom for the filesystem (pod.py).
+    size: int | str | None = None
+    # Group the volume is made writable for (pod securityContext.fsGroup).
+    fs_group: int = Field(REPLICA_GID, ge=0)
+
+
+class DiskVolume(_Spec):
+    """Where the disk tier's files live; at most one source. None of them: an emptyDir."""
+
+    empty_dir: EmptyDirDisk | None = None
+    host_path: HostPathDisk | None = None
+    ephemeral: EphemeralDisk | None = None
+
+    def sources(self) -> list[str]:
+        given: list[tuple[str, _Spec | None]] = [
+            ("emptyDir", self.empty_dir),
+            ("hostPath", self.host_path),
+            ("ephemeral", self.ephemeral),
+        ]
+        return [name for name, source in given if source is not None]
+
+    @property
+    def is_empty_dir(self) -> bool:
+        return self.host_path is None and self.ephemeral is None
+
+
 class KVSpec(_Spec):
     block_size: int = Field(16, ge=1, le=1024)
     gpu_memory_utilization: float = Field(0.9, ge=0.01, le=1.0)
@@ -61,6 +111,17 @@ class KVSpec(_Spec):
     eviction: EvictionName | None = None  # None: the replica's own default
     min_cacheable_tokens: int = Field(1024, ge=0)
     cache_bytes: int | str | None = None
+    # KV tiers behind the device pool, for the whole member (all TP ranks); 0 = off.
+    # The host tier lives in the pod's RAM: pod.py adds it to the memory resources.
+    host_bytes: KVSize = 0
+    # Where the disk tier's volume is mounted; used only when disk_bytes > 0.
+    disk_path: str | None = Field(None, pattern=r"^/")
+    disk_bytes: KVSize = 0
+    disk_volume: DiskVolume | None = None
+
+    @property
+    def has_disk_tier(self) -> bool:
+        return self.disk_bytes > 0
 
 
 class BatchingSpec(_Spec):
@@ -94,6 +155,10 @@ class ReplicaSpec(_Spec):
         # the fingerprint (and roll every member pod) of a spec that does not use it.
         if fields["kv"].get("eviction") is None:
             fields["kv"].pop("eviction", None)
+        # Likewise the tier fields, unset (the same pods as before they existed).
+        for key in ("hostBytes", "diskPath", "diskBytes", "diskVolume"):
+            if not fields["kv"].get(key):
+                fields["kv"].pop(key, None)
         return fields
 
 
@@ -138,6 +203,62 @@ def spec_problems(name: str, spec: ReplicaSpec) -> list[str]:
             problems.append(f"tensorParallelSize {tp} does not divide model.{field} {count}")
     if spec.model.pvc is not None and spec.model.host_path is not None:
         problems.append("model.pvc and model.hostPath are exclusive: give one weights source")
+    problems += _tier_problems(spec)
+    return problems
+
+
+def _nested(a: str, b: str) -> bool:
+    a, b = a.rstrip("/") + "/", b.rstrip("/") + "/"
+    return a.startswith(b) or b.startswith(a)
+
+
+def _tier_problems(spec: ReplicaSpec) -> list[str]:
+    kv, problems = spec.kv, []
+    if kv.disk_bytes > 0:
+        if kv.disk_path is None:
+            problems.append("kv.diskBytes needs kv.diskPath: where the disk tier is mounted")
+        elif _nested(kv.disk_path, "/dev/shm") or _nested(kv.disk_path, spec.model.model_dir):
+            problems.append(
+                f"kv.diskPath {kv.disk_path} overlaps /dev/shm or model.modelDir: "
+                "give the disk tier its own directory"
+            )
+        if kv.host_bytes == 0:
+            problems.append(
+                "kv.diskBytes needs kv.hostBytes > 0: the disk tier sits behind the host tier"
+            )
+    if kv.disk_volume is not None and len(kv.disk_volume.sources()) > 1:
+        problems.append(
+            "kv.diskVolume: emptyDir, hostPath and ephemeral are exclusive: give one source"
+        )
+    quantities: list[tuple[str, int | str | None]] = []
+    if kv.host_bytes > 0:
+        quantities += [
+            (f"resources.{kind}.memory", spec.resources.get(kind, {}).get("memory"))
+            for kind in ("requests", "limits")
+        ]
+    volume = kv.disk_volume or DiskVolume()
+    if kv.has_disk_tier:
+        if volume.empty_dir is not None:
+            quantities.append(("kv.diskVolume.emptyDir.sizeLimit", volume.empty_dir.size_limit))
+        if volume.ephemeral is not None:
+            quantities.append(("kv.diskVolume.ephemeral.size", volume.ephemeral.size))
+        if volume.is_empty_dir:  # pod.py adds it to the pod's ephemeral storage
+            quantities += [
+                (f"resources.{kind}.ephemeral-storage", spec.resources.get(kind, {}).get(STORAGE))
+                for kind in ("requests", "limits")
+            ]
+    volume_sizes = ("kv.diskVolume.emptyDir.sizeLimit", "kv.diskVolume.ephemeral.size")
+    for where, value in quantities:
+        if value is None:
+            continue
+        try:
+            size = parse_quantity(value)
+        except ValueError as e:
+            problems.append(f"{where}: {e}")
+            continue
+        if where in volume_sizes and size < kv.disk_bytes:
+            # An emptyDir past its limit gets the pod evicted; a full claim fails writes.
+            problems.append(f"{where} {value} is smaller than kv.diskBytes ({kv.disk_bytes} B)")
     return problems
 
 

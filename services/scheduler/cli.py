@@ -82,6 +82,35 @@ def build_parser() -> argparse.ArgumentParser:
         type=_size,
         help="KV memory per rank on the CPU, e.g. 256MiB (default 256MiB)",
     )
+    tiers = p.add_argument_group(
+        "KV tiers",
+        "Lower tiers behind the device pool (docs/kvcore.md): a cached block evicted from "
+        "the device is copied to host memory instead of being dropped, and from there to "
+        "local disk; a prompt whose prefix sits in a lower tier has those blocks copied "
+        "back before its prefill, and they count as cache hits. Sizes are for the whole "
+        "replica (all TP ranks together) and take binary units: 8GiB, 8Gi, 512MiB.",
+    )
+    tiers.add_argument(
+        "--kv-host-bytes",
+        type=_size,
+        metavar="SIZE",
+        help="host-memory tier, e.g. 32Gi: pinned RAM on GPUs, so size the pod's memory "
+        "for it (default 0: no host tier)",
+    )
+    tiers.add_argument(
+        "--kv-disk-path",
+        type=Path,
+        metavar="DIR",
+        help="directory on a fast local disk (NVMe) for the disk tier's memory-mapped "
+        "files; made if missing; needs --kv-disk-bytes",
+    )
+    tiers.add_argument(
+        "--kv-disk-bytes",
+        type=_size,
+        metavar="SIZE",
+        help="disk tier behind the host tier, e.g. 500Gi; needs --kv-disk-path and "
+        "--kv-host-bytes (default 0: no disk tier)",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, help="share of free GPU memory")
     p.add_argument("--retained-share", type=float, help="max share of blocks under TTL")
     p.add_argument(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -23,16 +24,33 @@ from .random_model import TOKENIZER_CHOICES, tokenizer_source
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20}
 _UNITS |= {"mib": 2**20, "g": 2**30, "gb": 2**30, "gib": 2**30}
+_UNITS |= {"t": 2**40, "tb": 2**40, "tib": 2**40}
+# NOTE: Kubernetes' binary suffixes too (8Gi, 512Mi), as a CacheReplica's kv sizes are
+# written next to the pod's memory quantities; "G" stays binary here, like "GB".
+_UNITS |= {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
 def parse_bytes(value: str | int) -> int:
-    """'256MiB', '1g', '1048576' -> bytes. Binary units: a KV budget is sized in pages."""
+    """'256MiB', '8Gi', '1g', '1048576' -> bytes. Binary units: a KV budget is sized in pages."""
     if isinstance(value, int):
         return value
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"not a size: {value!r} (try 256MiB or 2GiB)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _check_disk_dir(path: Path) -> None:
+    """A bad disk-tier directory fails at start-up, not at the first demotion. A missing
+    one is fine if it can be made (the engine makes it): its nearest existing parent must
+    then be a writable directory."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"kv_disk_path {path}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"kv_disk_path {path}: {existing} is not writable by this process")
 
 
 class ReplicaSettings(BaseSettings):
@@ -80,6 +98,25 @@ class ReplicaSettings(BaseSettings):
     dtype: str = Field("auto", description="auto | float32 | bfloat16 | float16")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     kv_cache_bytes: int = Field(256 * 2**20, gt=0, description="KV budget per rank on the CPU")
+    kv_host_bytes: int = Field(
+        0,
+        ge=0,
+        description="host-memory KV tier behind the device pool, for the whole replica (all "
+        "TP ranks together): blocks evicted from the device are demoted here and promoted "
+        "back on a hit; 0 = no host tier",
+    )
+    kv_disk_path: Path | None = Field(
+        None,
+        description="directory for the disk KV tier's memory-mapped files (node-local "
+        "NVMe); None = no disk tier; needs kv_disk_bytes",
+    )
+    kv_disk_bytes: int = Field(
+        0,
+        ge=0,
+        description="disk KV tier behind the host tier, for the whole replica: blocks "
+        "evicted from the host tier go here; 0 = no disk tier; needs kv_disk_path and "
+        "kv_host_bytes",
+    )
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="share of free GPU memory")
     retained_share: float = Field(0.5, ge=0, le=1, description="max share of blocks under TTL")
     org_retained_share: float = Field(
@@ -154,10 +191,36 @@ class ReplicaSettings(BaseSettings):
             )
         return v
 
-    @field_validator("kv_cache_bytes", mode="before")
+    @field_validator("kv_cache_bytes", "kv_host_bytes", "kv_disk_bytes", mode="before")
     @classmethod
     def _size(cls, v: object) -> object:
         return parse_bytes(v) if isinstance(v, str) else v
+
+    @field_validator("kv_disk_path", mode="before")
+    @classmethod
+    def _disk_path(cls, v: object) -> object:
+        # NOTE: an empty value (CACHEPOINT_REPLICA_KV_DISK_PATH="", a chart default) means
+        # off; Path("") would silently be the working directory.
+        return None if isinstance(v, str) and not v.strip() else v
+
+    @model_validator(mode="after")
+    def _tiers(self) -> ReplicaSettings:
+        path, disk, host = self.kv_disk_path, self.kv_disk_bytes, self.kv_host_bytes
+        if disk and path is None:
+            raise ValueError("kv_disk_bytes needs kv_disk_path: the directory for the disk tier")
+        if path is not None and not disk:
+            raise ValueError(
+                "kv_disk_path needs kv_disk_bytes > 0: the disk tier's size (set both or neither)"
+            )
+        if disk and not host:
+            # NOTE: the tiers are a chain (device -> host -> disk): blocks reach the disk
+            # only as they leave the host tier, and come back to the device through it.
+            raise ValueError(
+                "kv_disk_bytes needs kv_host_bytes > 0: the disk tier sits behind the host tier"
+            )
+        if path is not None:
+            _check_disk_dir(path)
+        return self
 
     @model_validator(mode="after")
     def _checkpoint(self) -> ReplicaSettings:
