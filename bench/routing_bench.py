@@ -139,9 +139,14 @@ def run_policy(policy: str, args: argparse.Namespace) -> dict[str, float]:
             th.join()
         wall = time.perf_counter() - t0
         engine_hits = 0
+        # /v1/stats is internal: the stack's internal token opens it.
+        token = stack.credentials.internal_token if stack.credentials else ""
+        headers = {"authorization": f"Bearer {token}"} if token else {}
         for child in stack.children:
             if child.name.startswith("replica-"):
-                engine_hits += httpx.get(f"{child.url}/v1/stats").json()["hit_tokens"]
+                resp = httpx.get(f"{child.url}/v1/stats", headers=headers, timeout=10)
+                resp.raise_for_status()
+                engine_hits += resp.json()["hit_tokens"]
     finally:
         stack.stop()
     ttft = sorted(tally.ttft)

@@ -9,6 +9,9 @@ snapshot requests it asks for, so every rule below is unit-testable.
 - A batch or heartbeat from a newer epoch drops the replica's index first.
 - A replica whose heartbeat is older than ``miss_factor`` intervals is not live, so
   it is never routed to; its next heartbeat brings it back.
+- Events and snapshots carry the tier of each block (device, host, disk), and each
+  heartbeat the replica's cost model, from which the view's `TierValue` prices a
+  lower-tier hit for the routing policies.
 - A replica whose health check fails is not live until one passes or it restarts.
 - Refused, changing nothing: an epoch (the replica's start time) further in the
   future than ``max_epoch_skew_s``, and a URL the `UrlPolicy` does not give the name.
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cachepoint.events import schema
-from cachepoint.routing import ReplicaView
+from cachepoint.routing import ReplicaView, tier_value
 
 from .trust import UrlPolicy
 
@@ -150,6 +153,12 @@ class ReplicaDirectory:
         v.running = hb.running
         v.waiting = hb.waiting
         v.max_waiting = hb.max_waiting
+        v.tier_value = tier_value(
+            hb.kv_bytes_per_token,
+            hb.prefill_tokens_per_s,
+            hb.host_read_bytes_per_s,
+            hb.disk_read_bytes_per_s,
+        )
         v.live = st.healthy
         return hb.last_seq > st.last_seq and not st.resyncing
 
@@ -239,7 +248,11 @@ class ReplicaDirectory:
             return True
         if snap.epoch > st.epoch:
             self._new_epoch(st, snap.epoch)
-        st.view.index.replace(schema.to_kvcore_hashes(snap.block_hashes))
+        st.view.index.replace(
+            schema.to_kvcore_hashes(snap.block_hashes),
+            host=schema.to_kvcore_hashes(snap.host_hashes),
+            disk=schema.to_kvcore_hashes(snap.disk_hashes),
+        )
         st.last_seq = snap.seq
         st.last_applied = self.clock()
         st.resyncing = False

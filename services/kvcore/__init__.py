@@ -39,7 +39,7 @@ from .hashing import (
 )
 from .manager import MAX_LOOKBACK, CacheStats, EntryHit, EntryWrite, KVCacheManager, PrefixMatch
 from .pool import BlockCounts, BlockPool, PoolExhaustedError
-from .prefix_index import PrefixIndex
+from .prefix_index import PrefixIndex, TierMatch
 from .retention import TTL_1H, TTL_5M, TTL_SECONDS, UNATTRIBUTED, RetainResult, RetentionOwner
 from .tier import TIER_ORDER, Tier
 from .tier_store import SlotState, TierSlot, TierStats, TierStore
@@ -96,6 +96,7 @@ __all__ = [
     "SegmentedLRUEviction",
     "SlotState",
     "Tier",
+    "TierMatch",
     "TierSlot",
     "TierStats",
     "TierStore",

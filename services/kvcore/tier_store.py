@@ -148,6 +148,10 @@ class TierStore:
     def num_visible(self) -> int:
         return len(self._index)
 
+    def visible_hashes(self) -> list[BlockHash]:
+        """Every hash hittable in this tier now (a snapshot for the router)."""
+        return list(self._index)
+
     # ------------------------------------------------------------- promotion
 
     def pin(self, slot: TierSlot) -> None:

@@ -4,6 +4,7 @@ Pure (no I/O, no clock, no asyncio): the gateway and the trace simulator import
 the same classes.
 """
 
+from .costs import DEVICE_EQUIVALENT, TierValue, lower_hit_value, tier_value
 from .decision import Candidate, NoReplicaError, RouteDecision
 from .policies import (
     CacheAwarePolicy,
@@ -19,6 +20,7 @@ from .view import ReplicaView
 
 __all__ = [
     "DEFAULT_POLICY",
+    "DEVICE_EQUIVALENT",
     "POLICIES",
     "CacheAwarePolicy",
     "Candidate",
@@ -29,7 +31,10 @@ __all__ = [
     "RoundRobinPolicy",
     "RouteDecision",
     "RoutingPolicy",
+    "TierValue",
+    "lower_hit_value",
     "make_policy",
     "routable",
+    "tier_value",
     "usable_blocks",
 ]

@@ -17,10 +17,21 @@ class Candidate:
     """One routable replica as the policy scored it."""
 
     replica: str  # replica name
-    matched_blocks: int  # leading prompt blocks its index holds (after the last-token cap)
-    matched_tokens: int  # matched_blocks * block_size: the prefill tokens it would save
+    matched_blocks: int  # leading prompt blocks it would hit, any tier (after the last-token cap)
+    matched_tokens: int  # matched_blocks * block_size: the prefill tokens it would not compute
     load_tokens: int  # its queued prefill tokens when the request was routed
     score: float  # the policy's score; higher is better
+    saved_tokens: float = 0.0  # matched_tokens with lower-tier hits priced by transfer time
+    host_blocks: int = 0  # of matched_blocks, those held in host memory (to be promoted)
+    disk_blocks: int = 0  # of matched_blocks, those held on local disk (to be promoted)
+
+    def describe(self) -> str:
+        """One line for the `route` span's candidate list."""
+        out = f"{self.replica}:matched={self.matched_tokens},load={self.load_tokens}"
+        out += f",score={self.score:g}"
+        if self.host_blocks or self.disk_blocks:
+            out += f",host={self.host_blocks},disk={self.disk_blocks}"
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,10 +40,12 @@ class RouteDecision:
 
     replica: str  # the chosen replica's name
     policy: str  # the policy's name, as `make_policy` knows it
-    matched_blocks: int  # blocks the chosen replica is expected to hit
+    matched_blocks: int  # blocks the chosen replica is expected to hit, in any tier
     matched_tokens: int  # tokens the chosen replica is expected to serve from cache
     score: float  # the chosen candidate's score
     candidates: tuple[Candidate, ...]  # every routable replica, in the order given
+    host_blocks: int = 0  # of matched_blocks, those it holds in host memory
+    disk_blocks: int = 0  # of matched_blocks, those it holds on local disk
 
     def span_attributes(self) -> dict[str, AttributeValue]:
         """Attributes for the gateway's `route` span (flat, OpenTelemetry-typed)."""
@@ -41,9 +54,8 @@ class RouteDecision:
             "cachepoint.route.replica": self.replica,
             "cachepoint.route.matched_blocks": self.matched_blocks,
             "cachepoint.route.matched_tokens": self.matched_tokens,
+            "cachepoint.route.host_blocks": self.host_blocks,
+            "cachepoint.route.disk_blocks": self.disk_blocks,
             "cachepoint.route.score": self.score,
-            "cachepoint.route.candidates": [
-                f"{c.replica}:matched={c.matched_tokens},load={c.load_tokens},score={c.score:g}"
-                for c in self.candidates
-            ],
+            "cachepoint.route.candidates": [c.describe() for c in self.candidates],
         }

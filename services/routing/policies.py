@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from cachepoint.kvcore import BlockHash
@@ -79,6 +79,8 @@ def _decide(
         matched_tokens=chosen.matched_tokens,
         score=chosen.score,
         candidates=tuple(candidates),
+        host_blocks=chosen.host_blocks,
+        disk_blocks=chosen.disk_blocks,
     )
 
 
@@ -93,14 +95,38 @@ def _score_all(
     num_tokens: int | None,
     penalty: Callable[[int], float] = _no_penalty,
 ) -> list[Candidate]:
-    """Saved tokens minus ``penalty(queued prefill tokens)`` for every view, in order."""
+    """Saved tokens minus ``penalty(queued prefill tokens)`` for every view, in order.
+
+    A device hit saves its tokens; a host or disk hit saves them times the replica's
+    `TierValue` for that tier (its transfer time against recompute).
+    """
     hashes = block_hashes[: usable_blocks(block_hashes, block_size, num_tokens)]
     out = []
     for view in views:
-        matched = view.index.match(hashes) if hashes else 0
-        saved = matched * block_size
+        index = view.index
         load = view.queued_prefill_tokens
-        out.append(Candidate(view.name, matched, saved, load, saved - penalty(load)))
+        if hashes and index.has_lower:
+            m = index.match_tiers(hashes)
+            value = view.tier_value
+            matched = m.blocks
+            saved = block_size * (m.device + value.host * m.host + value.disk * m.disk)
+            out.append(
+                Candidate(
+                    view.name,
+                    matched,
+                    matched * block_size,
+                    load,
+                    saved - penalty(load),
+                    saved,
+                    m.host,
+                    m.disk,
+                )
+            )
+        else:
+            # NOTE: the device-only path computes exactly what it did before tiers.
+            matched = index.match(hashes) if hashes else 0
+            tokens = matched * block_size
+            out.append(Candidate(view.name, matched, tokens, load, tokens - penalty(load), tokens))
     return out
 
 
@@ -126,6 +152,10 @@ def _least_loaded(
 @dataclass(slots=True)
 class CacheAwarePolicy:
     """Prefill tokens saved minus ``load_weight`` × queued prefill tokens; the best wins.
+
+    A host or disk hit saves its tokens times the replica's `TierValue` (transfer
+    time against recompute), so a device hit beats a lower-tier hit of the same
+    length, which beats a miss unless its copy is slower than recompute.
 
     Candidates within ``tie_tolerance`` tokens of the best score count as equal;
     among those the least loaded wins, and exact load ties are sampled with a
@@ -203,15 +233,12 @@ class LeastLoadedPolicy:
         views = routable(replicas)
         cands = _score_all(block_hashes, views, block_size, num_tokens)
         chosen = _least_loaded(cands, views, self._rng)
-        scored = [
-            Candidate(c.replica, c.matched_blocks, c.matched_tokens, c.load_tokens, -c.load_tokens)
-            for c in cands
-        ]
+        scored = [replace(c, score=float(-c.load_tokens)) for c in cands]
         return _decide(self.name, next(c for c in scored if c.replica == chosen.replica), scored)
 
 
 def _zero_score(c: Candidate) -> Candidate:
-    return Candidate(c.replica, c.matched_blocks, c.matched_tokens, c.load_tokens, 0.0)
+    return replace(c, score=0.0)
 
 
 @dataclass(slots=True)
@@ -260,15 +287,12 @@ class PrefixAffinityPolicy:
         # reason to prefer a replica: every holder is as good, and preferring them
         # starves replicas that do not hold it yet, leaving their pools idle. Such a
         # request is cold; it goes to the least loaded replica, ties sampled.
-        common = sorted(c.matched_blocks for c in cands)[(len(cands) - 1) // 2]
-        if max(c.matched_blocks for c in cands) <= common:
+        # NOTE: by priced saving, not blocks: a prefix most of the fleet holds only
+        # in host memory is still a reason to prefer the one replica holding it on
+        # the device. On device-only replicas the saving is blocks × block_size, so
+        # this is the same rule as counting blocks.
+        common = sorted(c.saved_tokens for c in cands)[(len(cands) - 1) // 2]
+        if max(c.saved_tokens for c in cands) <= common:
             return _decide(self.name, _least_loaded(cands, views, self._rng), cands)
         tol = float(block_size) if self.tie_tolerance is None else self.tie_tolerance
         return _decide(self.name, _best_near(cands, tol, self._rng), cands)
-        tol = float(block_size) if self.tie_tolerance is None else self.tie_tolerance
-        best = max(c.score for c in cands)
-        near = [c for c in cands if c.score >= best - tol]
-        least = min(c.load_tokens for c in near)
-        tied = [c for c in near if c.load_tokens == least]
-        chosen = tied[0] if len(tied) == 1 else self._rng.choice(tied)
-        return _decide(self.name, chosen, cands)

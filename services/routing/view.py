@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 from cachepoint.kvcore import PrefixIndex
 
+from .costs import TierValue
+
+_UNREPORTED = TierValue()  # the defaults a replica gets until its heartbeat says otherwise
+
 
 @dataclass(slots=True)
 class ReplicaView:
@@ -22,6 +26,7 @@ class ReplicaView:
     waiting: int = 0  # requests queued and not yet admitted
     max_waiting: int | None = None  # queue bound; at it the replica is skipped (None: unbounded)
     live: bool = True  # heartbeat fresh; a replica that is not live is never chosen
+    tier_value: TierValue = _UNREPORTED  # what a host/disk hit saves, from its cost model
 
     @property
     def routable(self) -> bool:
