@@ -347,6 +347,13 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     tensor_parallel_size: int = 1  # ranks that split heads and MLP
     dist_timeout_s: float = 300.0  # a collective waiting longer than this fails the group
+    # KV tiers behind the device pool (kv_tiers.py), per rank; all off by default. Size
+    # each in blocks (slots) or in bytes (whole blocks of this rank's shard), not both.
+    host_kv_slots: int = 0  # blocks of the host-memory tier
+    host_kv_bytes: int = 0  # or its budget in bytes
+    disk_kv_path: str | None = None  # an existing directory for the disk tier's file
+    disk_kv_slots: int = 0  # blocks of the disk tier
+    disk_kv_bytes: int = 0  # or its budget in bytes
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -357,3 +364,17 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size must be >= 1")
         if self.dtype != "auto":
             self.dtype = normalize_dtype(self.dtype)
+        for tier in ("host", "disk"):
+            slots, size = getattr(self, f"{tier}_kv_slots"), getattr(self, f"{tier}_kv_bytes")
+            if slots < 0 or size < 0:
+                raise ValueError(f"{tier}_kv_slots and {tier}_kv_bytes must be >= 0")
+            if slots and size:
+                raise ValueError(f"set {tier}_kv_slots or {tier}_kv_bytes, not both")
+        if (self.disk_kv_slots or self.disk_kv_bytes) and not self.disk_kv_path:
+            raise ValueError("a disk KV tier needs disk_kv_path")
+
+    def tier_slots(self, tier: str, bytes_per_block: int) -> int:
+        """Blocks of the ``"host"`` or ``"disk"`` tier, given one block's bytes."""
+        slots: int = getattr(self, f"{tier}_kv_slots")
+        size: int = getattr(self, f"{tier}_kv_bytes")
+        return slots or size // bytes_per_block

@@ -18,10 +18,18 @@ from .batch import DecodeRequest, PrefillRequest, StepOutput
 from .config import EngineConfig, ModelConfig, generation_eos_ids
 from .device import resolve_device
 from .generate import Allocator, GenerationRequest, GenerationResult, generate
+from .kv_copy import Copy, CopyHook
 from .model import LayerHook
 from .runner import ModelRunner
 from .tokenizer import Tokenizer, load_tokenizer
-from .tp import StepPlan, TPWorkers, broadcast_plan, driver_layer_hook, init_group
+from .tp import (
+    StepPlan,
+    TPWorkers,
+    broadcast_plan,
+    copies_failed_anywhere,
+    driver_layer_hook,
+    init_group,
+)
 from .weights import read_model_config
 
 
@@ -38,6 +46,16 @@ class Engine:
 
     ``fault_hook``, when set, is called with each layer index before that layer runs,
     in every forward; whatever it raises propagates out of :meth:`step`.
+    ``copy_fault_hook``, when set, is called before each unit of a batch of block
+    copies with the batch position of its first op (see :mod:`.kv_tiers`); whatever it
+    raises propagates out of :meth:`step` (before the forward runs: no KV is written by
+    it) or :meth:`copy_blocks`. The destinations of a failed batch hold garbage and
+    must not be published (kvcore's ``finish_copies(ok=False)``).
+
+    KV tiers (``EngineConfig.host_kv_slots``/``disk_kv_*``): a host-memory tier and a
+    disk-file tier behind the pool, per rank; blocks move between them only through
+    the copies passed to :meth:`step` or :meth:`copy_blocks`. What memory each takes
+    is in :mod:`.kv_tiers`.
 
     NOTE: not thread-safe: one driver thread calls :meth:`step` at a time (the
     scheduler's engine loop), which is also what keeps TP ranks in lockstep.
@@ -71,6 +89,7 @@ class Engine:
         ids = (self.tokenizer.eos_id, *model_config.eos_token_ids, *generation_eos_ids(folder))
         self._eos_ids = frozenset(i for i in ids if i is not None)
         self.fault_hook: LayerHook | None = None  # see the class docstring
+        self.copy_fault_hook: CopyHook | None = None  # see the class docstring
         self._workers: TPWorkers | None = None
         self._forgotten: list[int] = []  # seq ids the TP workers have yet to forget
         self._threads_before: int | None = None
@@ -141,6 +160,31 @@ class Engine:
         """KV bytes held on this rank."""
         return self.runner.pool.nbytes
 
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes one block takes on this rank (in every tier)."""
+        return self.runner.pool.shape.bytes_per_block
+
+    @property
+    def host_kv_slots(self) -> int:
+        """Blocks the host tier holds (0: none); slot ids ``0..host_kv_slots-1``."""
+        return self.runner.tiers.sizes["host"]
+
+    @property
+    def disk_kv_slots(self) -> int:
+        """Blocks the disk tier holds (0: none); slot ids ``0..disk_kv_slots-1``."""
+        return self.runner.tiers.sizes["disk"]
+
+    @property
+    def host_kv_bytes(self) -> int:
+        """Host memory the host tier takes on this rank."""
+        return self.runner.tiers.host_bytes
+
+    @property
+    def disk_kv_bytes(self) -> int:
+        """Disk the disk tier's file takes on this rank."""
+        return self.runner.tiers.disk_bytes
+
     # -- steps -----------------------------------------------------------------------
 
     def _check_table(
@@ -184,9 +228,17 @@ class Engine:
         prefills: Sequence[PrefillRequest] = (),
         decodes: Sequence[DecodeRequest] = (),
         *,
+        copies: Sequence[object] = (),
         all_logits: bool = False,
     ) -> StepOutput:
-        """One forward over prefills and decodes together (continuous batching).
+        """Block copies between tiers, then one forward over prefills and decodes
+        together (continuous batching).
+
+        ``copies`` (objects with ``src_tier``, ``src_index``, ``dst_tier`` and
+        ``dst_index``, e.g. kvcore's ``BlockCopy``) run in order on every rank before
+        the forward, which reads their destinations; a later copy may overwrite the
+        source of an earlier one. Everything, copies included, is validated before
+        anything runs.
 
         Each prefill computes positions ``num_cached_tokens..N-1`` against the K/V of
         ``0..num_cached_tokens-1`` read from its blocks, and writes the new K/V into its
@@ -195,19 +247,54 @@ class Engine:
         for every computed prefill token).
         """
         prefills, decodes = list(prefills), list(decodes)
+        ops = self.runner.tiers.check(copies)
         self.validate(prefills, decodes)
         hook = self.fault_hook
         if self._workers is not None:
             forget, self._forgotten = self._forgotten, []
             plan = StepPlan(
-                prefills=prefills, decodes=decodes, check_faults=hook is not None, forget=forget
+                prefills=prefills,
+                decodes=decodes,
+                check_faults=hook is not None,
+                forget=forget,
+                copies=ops,
             )
             broadcast_plan(plan, self.device)
             if hook is not None:
                 hook = driver_layer_hook(hook, self.device)
+        self._run_copies(ops)
         out = self.runner.execute(prefills, decodes, all_logits=all_logits, layer_hook=hook)
         assert out is not None, "rank 0 always returns logits"
         return out
+
+    def copy_blocks(self, copies: Sequence[object]) -> None:
+        """Run block copies between tiers without a forward, on every rank; they have
+        finished on this rank when it returns (the caller may publish them then)."""
+        ops = self.runner.tiers.check(copies)
+        if not ops:
+            return
+        if self._workers is not None:
+            forget, self._forgotten = self._forgotten, []
+            broadcast_plan(StepPlan(forget=forget, copies=ops), self.device)
+        self._run_copies(ops)
+        self.runner.tiers.synchronize()
+
+    def _run_copies(self, ops: list[Copy]) -> None:
+        """Rank 0's copies; with TP, every rank learns whether all of them succeeded."""
+        if not ops:
+            return
+        error: BaseException | None = None
+        try:
+            self.runner.copy_blocks(ops, self.copy_fault_hook)
+        except BaseException as exc:  # NOTE: re-raised below, after the workers know
+            error = exc
+        failed = error is not None
+        if self._workers is not None:
+            failed = copies_failed_anywhere(failed, self.device)
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError("block copies failed on a tensor parallel worker; step not run")
 
     def forget(self, seq_id: int) -> None:
         """Drop what the engine keeps about sequence ``seq_id`` (its block table): call
@@ -233,7 +320,11 @@ class Engine:
     # -- lifetime --------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the TP workers (if any). A single-rank engine needs no closing."""
+        """Stop the TP workers (if any) and release the KV tiers (the disk tier's file
+        is removed). A single-rank engine without a disk tier needs no closing."""
+        runner: ModelRunner | None = getattr(self, "runner", None)  # None if __init__ failed
+        if runner is not None:
+            runner.tiers.close()
         if self._workers is not None:
             self._workers.stop()
             self._workers = None

@@ -113,6 +113,12 @@ class KVPool:
         return self._data.device
 
     @property
+    def data(self) -> torch.Tensor:
+        """The whole pool, ``[layers, 2, kv_heads, num_blocks, block_size, head_dim]``:
+        tier copies move blocks along dim 3."""
+        return self._data
+
+    @property
     def nbytes(self) -> int:
         return self._data.numel() * self._data.element_size()
 

@@ -27,7 +27,9 @@ from .batch import DecodeRequest, PrefillRequest, StepOutput
 from .block_tables import BlockTables, SeqTable
 from .config import EngineConfig, ModelConfig
 from .device import resolve_device, resolve_dtype
+from .kv_copy import CopyHook
 from .kv_pool import KVPool, KVPoolShape, blocks_for_budget, cuda_kv_budget
+from .kv_tiers import STAGING_BYTES, KVTiers, TierError
 from .model import LayerHook, LlamaForCausalLM, build_model, weight_bytes
 from .weights import RandomWeights, WeightSource, open_weights
 
@@ -99,8 +101,44 @@ class ModelRunner:
         reserve = 0
         if self.device.type == "cuda":
             reserve = self._profile_forward_bytes()
+            if config.tier_slots("host", 1) or config.tier_slots("disk", 1):
+                reserve += STAGING_BYTES  # what a tier copy stages on the device
         self.pool = KVPool(self._pool_shape(free_before, reserve), self.device)
         self.tables = BlockTables(self.pool.num_blocks)  # persistent, keyed by seq_id
+        self.tiers = self._build_tiers()
+
+    def _build_tiers(self) -> KVTiers:
+        """This rank's host and disk tiers; with TP, every rank fails if one does.
+
+        NOTE: agreed with an all-reduce: a rank whose tier cannot be set up (a full
+        disk) would otherwise leave the others waiting for it until the group's
+        timeout.
+        """
+        config, per_block = self.config, self.pool.shape.bytes_per_block
+        tiers: KVTiers | None = None
+        error: Exception | None = None
+        try:
+            tiers = KVTiers(
+                self.pool,
+                host_slots=config.tier_slots("host", per_block),
+                disk_path=config.disk_kv_path,
+                disk_slots=config.tier_slots("disk", per_block),
+                rank=self.tp_rank,
+            )
+        except Exception as exc:  # NOTE: re-raised below, after the other ranks know
+            error = exc
+        failed = error is not None
+        if self.tp_size > 1:
+            flag = torch.tensor([int(failed)], dtype=torch.int64, device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            failed = bool(flag.item())
+        if error is not None:
+            raise error
+        if failed or tiers is None:
+            if tiers is not None:
+                tiers.close()
+            raise TierError("a KV tier could not be set up on another tensor parallel rank")
+        return tiers
 
     def profile_forward(self) -> KVPool:
         """Run the largest forward a step may run (a ``max_num_batched_tokens`` prefill,
@@ -184,6 +222,11 @@ class ModelRunner:
             num_blocks = int(n.item())
         return self._shape(num_blocks)
 
+    def copy_blocks(self, copies: Sequence[object], hook: CopyHook | None = None) -> None:
+        """Run block copies between tiers, in order (see :meth:`KVTiers.copy`); the
+        next :meth:`execute` waits for them before its forward."""
+        self.tiers.copy(copies, hook)
+
     def forget(self, seq_ids: Sequence[int]) -> None:
         """Drop the persistent tables of sequences that ended or were reallocated."""
         for seq_id in seq_ids:
@@ -252,6 +295,11 @@ class ModelRunner:
         """
         with torch.inference_mode():
             input_ids, positions, meta = self._metadata(prefills, decodes)
+            # NOTE: this step's block copies land before attention; there are no tiers
+            # yet during the profiling forward, which runs before they are built.
+            tiers: KVTiers | None = getattr(self, "tiers", None)
+            if tiers is not None:
+                tiers.wait_ready()
             hidden = self.model.hidden(input_ids, positions, self.pool, meta, layer_hook)
             if self.device.type == "cuda":
                 # NOTE: kernels run asynchronously; waiting here makes a device error

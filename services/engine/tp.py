@@ -7,6 +7,10 @@ CUDA. Each step rank 0 broadcasts a :class:`StepPlan` (the requests: token ids, 
 tables, cached counts) with ``broadcast_object_list``; every rank then runs the same
 forward on its own heads, and the row-parallel layers all-reduce.
 
+Block copies between KV tiers travel in the plan as plain tuples, and every rank runs
+them on its own shard before the forward. Whether they succeeded everywhere is agreed
+with one all-reduce, so a failed copy on any rank makes every rank skip the forward.
+
 Failure: a fault hook raising on rank 0 is announced to the workers at that layer (a
 one-element broadcast per layer, only while a hook is set), so the whole group leaves
 the forward together and stays usable. A real crash inside a collective (a worker
@@ -19,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import logging
 import os
 import pickle
 import socket
@@ -33,8 +38,11 @@ import torch.multiprocessing as mp
 from .batch import DecodeRequest, PrefillRequest
 from .config import EngineConfig, ModelConfig
 from .device import resolve_device
+from .kv_copy import Copy
 from .model import LayerHook
 from .runner import ModelRunner
+
+log = logging.getLogger(__name__)
 
 
 class StepAborted(RuntimeError):
@@ -50,6 +58,8 @@ class StepPlan:
     decodes: list[DecodeRequest] = field(default_factory=list)  # this step's decodes
     check_faults: bool = False  # rank 0 broadcasts an abort flag before every layer
     forget: list[int] = field(default_factory=list)  # seq ids to drop before this step
+    # Block copies between tiers to run, in order, before the forward (validated by rank 0).
+    copies: list[Copy] = field(default_factory=list)
 
 
 def free_port() -> int:
@@ -104,6 +114,17 @@ def _abort_flag(value: int, device: torch.device) -> int:
     return int(flag.item())
 
 
+def copies_failed_anywhere(failed: bool, device: torch.device) -> bool:
+    """Every rank passes whether its copies failed; all learn whether any rank's did.
+
+    NOTE: an all-reduce, not rank 0's broadcast: a worker's copy can fail too (an I/O
+    error on its disk file), and then no rank may run the forward.
+    """
+    flag = torch.tensor([1 if failed else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def driver_layer_hook(user_hook: LayerHook, device: torch.device) -> LayerHook:
     """Wrap rank 0's fault hook so that the workers abort at the same layer."""
 
@@ -146,6 +167,7 @@ def worker_main(
         # thread per core and they would thrash each other.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     init_group(rank, world, port, device, config.dist_timeout_s)
+    runner: ModelRunner | None = None
     try:
         runner = ModelRunner(model_config, config, model_dir=model_dir, seed=seed, tp_rank=rank)
         hook = worker_layer_hook(runner.device)
@@ -154,6 +176,17 @@ def worker_main(
             if plan.stop:
                 break
             runner.forget(plan.forget)
+            if plan.copies:
+                failed = False
+                try:
+                    runner.copy_blocks(plan.copies)
+                except Exception:
+                    log.exception("TP rank %d: block copies failed", rank)
+                    failed = True
+                if copies_failed_anywhere(failed, runner.device):
+                    continue
+            if not plan.prefills and not plan.decodes:
+                continue
             try:
                 runner.execute(
                     plan.prefills, plan.decodes, layer_hook=hook if plan.check_faults else None
@@ -161,6 +194,8 @@ def worker_main(
             except StepAborted:
                 continue
     finally:
+        if runner is not None:
+            runner.tiers.close()
         dist.destroy_process_group()
 
 

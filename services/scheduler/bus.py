@@ -21,7 +21,7 @@ from opentelemetry.trace import SpanKind
 from cachepoint.events import schema
 from cachepoint.events.connect import connect_forever
 from cachepoint.events.subjects import heartbeat_subject, kv_subject, snapshot_subject
-from cachepoint.kvcore import KVEvent
+from cachepoint.kvcore import KVEvent, Tier
 
 from .scheduler import Scheduler
 
@@ -153,10 +153,18 @@ class NatsBus:
             epoch=self.scheduler.epoch,
             seq=self.seq,
             block_hashes=list(self.scheduler.pool.cached),
+            host_hashes=self._lower_hashes(Tier.HOST),
+            disk_hashes=self._lower_hashes(Tier.DISK),
         )
         await msg.respond(schema.encode(snap))
 
     # ------------------------------------------------------------ heartbeats
+
+    def _lower_hashes(self, tier: Tier) -> list[bytes]:
+        for store in self.scheduler.pool.lower or ():
+            if store.tier is tier:
+                return store.visible_hashes()
+        return []
 
     def heartbeat(self) -> schema.Heartbeat:
         s = self.scheduler
@@ -180,6 +188,11 @@ class NatsBus:
             blocks_retained=b.retained,
             hit_tokens=st.hit_tokens,
             query_tokens=st.query_tokens,
+            # The router prices a lower-tier hit by these (copy time against recompute).
+            kv_bytes_per_token=s.engine.kv_block_bytes // s.block_size,
+            prefill_tokens_per_s=s.rates.prefill_tokens_per_s,
+            host_read_bytes_per_s=s.rates.host_bytes_per_s,
+            disk_read_bytes_per_s=s.rates.disk_bytes_per_s,
             ts=time.time(),
         )
 

@@ -8,6 +8,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from cachepoint.kvcore import CacheStats
+
 from .scheduler import Scheduler
 from .sequence import SequenceState
 
@@ -85,6 +87,7 @@ class _PoolCollector(Collector):
             "cachepoint_replica_epoch", "Epoch of this process", labels=labels
         )
         epoch.add_metric(value, s.epoch)
+        yield from self._tiers(s, st)
         yield from (
             queries,
             hits,
@@ -98,6 +101,42 @@ class _PoolCollector(Collector):
             preemptions,
             epoch,
         )
+
+    @staticmethod
+    def _tiers(s: Scheduler, st: CacheStats) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """Per tier behind the device: occupancy, and blocks and bytes moved."""
+        tier_labels = ["replica", "tier"]
+        held = GaugeMetricFamily(
+            "cachepoint_kv_tier_blocks",
+            "Blocks held per lower KV tier, by state",
+            labels=[*tier_labels, "state"],
+        )
+        counters = {
+            name: CounterMetricFamily(f"cachepoint_kv_tier_{name}", doc, labels=tier_labels)
+            for name, doc in (
+                ("hit_blocks", "Blocks a prefix hit in this tier (promotions started)"),
+                ("promoted_blocks", "Blocks moved up from this tier into the device index"),
+                ("demoted_blocks", "Blocks whose copy into this tier completed"),
+                ("evicted_blocks", "Blocks pushed out of this tier (down a tier or dropped)"),
+                ("promoted_bytes", "Bytes moved up from this tier into the device"),
+                ("demoted_bytes", "Bytes copied into this tier"),
+            )
+        }
+        block = s.block_bytes
+        for t in st.tiers:
+            key = [s.name, str(t.tier)]
+            held.add_metric([*key, "visible"], t.visible)
+            held.add_metric([*key, "in_flight_or_doomed"], t.used - t.visible)
+            held.add_metric([*key, "retained"], t.retained)
+            held.add_metric([*key, "capacity"], t.slots)
+            counters["hit_blocks"].add_metric(key, t.hits)
+            counters["promoted_blocks"].add_metric(key, t.promotions)
+            counters["demoted_blocks"].add_metric(key, t.demotions)
+            counters["evicted_blocks"].add_metric(key, t.evictions)
+            counters["promoted_bytes"].add_metric(key, t.promotions * block)
+            counters["demoted_bytes"].add_metric(key, t.demotions * block)
+        yield held
+        yield from counters.values()
 
 
 class ReplicaMetrics:

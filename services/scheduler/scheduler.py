@@ -37,11 +37,14 @@ from cachepoint.engine.sampling import make_generator, sample_each
 from cachepoint.kvcore import (
     EVICTION_POLICIES,
     Allocation,
+    BlockCopy,
     BlockPool,
     CacheStats,
     KVCacheManager,
     KVEvent,
     PoolExhaustedError,
+    Tier,
+    TierStore,
     monotonic_clock,
 )
 
@@ -55,6 +58,7 @@ from .errors import (
     ReplicaFailedError,
     RequestFailedError,
 )
+from .rates import Rates
 from .schemas import CacheReport, GenerateRequest, GenerateResponse, Timings
 from .sequence import PrefillDone, SeqStatus, SequenceState, TokenEvent
 from .settings import ReplicaSettings
@@ -136,7 +140,11 @@ class Scheduler:
             owner_share=settings.org_retained_share,
             clock=clock,
             eviction=EVICTION_POLICIES[settings.eviction](),
+            lower=self._lower_tiers(engine, settings, clock),
         )
+        self.rates = Rates()  # measured prefill and copy speeds, for the router
+        self.copy_s = 0.0  # seconds the engine spent on tier copies, ever
+        self.copied_blocks = 0  # blocks it copied between tiers, ever
         self.manager = KVCacheManager(self.pool)
         # NOTE: a fresh epoch per process start, monotonic across restarts, and a
         # `cleared` event to open it: consumers drop whatever they knew before.
@@ -317,6 +325,63 @@ class Scheduler:
             except Exception:
                 log.exception("on_death hook failed")
 
+    @staticmethod
+    def _lower_tiers(
+        engine: Engine, settings: ReplicaSettings, clock: Callable[[], float]
+    ) -> TierStore | None:
+        """The host tier (and the disk tier behind it) the engine allocated, if any."""
+        host, disk = engine.host_kv_slots, engine.disk_kv_slots
+        if not host:
+            return None
+        share = settings.retained_share
+        below = TierStore(Tier.DISK, disk, retained_share=share, clock=clock) if disk else None
+        return TierStore(Tier.HOST, host, retained_share=share, clock=clock, lower=below)
+
+    async def _copy(self, copies: list[BlockCopy]) -> bool:
+        """Run queued tier copies on the engine thread, then publish or drop what they
+        demoted. False when they failed: whatever they were promoting must not run.
+
+        NOTE: a step's copies run as their own engine call, before its forward, so the
+        promote span measures the transfer alone; only steps that have copies pay the
+        extra hop."""
+        t0 = time.perf_counter()
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self._engine_thread, self.engine.copy_blocks, copies
+            )
+        except Exception as exc:
+            log.warning("tier copies failed: %s", exc)
+            self.manager.finish_copies(copies, ok=False)
+            return False
+        dt = time.perf_counter() - t0
+        self.copy_s += dt
+        self.copied_blocks += len(copies)
+        disk = any(Tier.DISK in (c.src_tier, c.dst_tier) for c in copies)
+        self.rates.copies(len(copies) * self.engine.kv_block_bytes, dt, disk=disk)
+        self.manager.finish_copies(copies, ok=True)
+        return True
+
+    async def _run_copies(self) -> bool:
+        """The copies queued since the last step; on failure every sequence whose
+        promotion was among them fails (its blocks were never filled)."""
+        copies = self.manager.take_copies()
+        if not copies:
+            return True
+        # NOTE: every sequence admitted since the last step, scheduled now or not: its
+        # promotions are among these copies, which run now whatever the batch holds.
+        promoting = [s for s in self.running if s.promoting]
+        ok = await self._copy(copies)
+        for seq in promoting:
+            seq.promoting = False
+            span, seq.promote_span = seq.promote_span, None
+            if span is not None:
+                if not ok:
+                    span.set_status(Status(StatusCode.ERROR, "tier copy failed"))
+                span.end()
+            if not ok:
+                self._finish(seq, error=EngineFailedError("KV tier copy failed"))
+        return ok
+
     async def _run(self) -> None:
         while not self._stopping:
             self._reap_cancelled()
@@ -328,11 +393,15 @@ class Scheduler:
             batch = self._schedule()
             if self.fault_hook is not None and not batch.empty:
                 self.fault_hook(batch)
+            if not await self._run_copies():
+                self.flush_events()
+                continue
             if batch.empty:
                 self.flush_events()
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            t0 = time.perf_counter()
             try:
                 out = await asyncio.get_running_loop().run_in_executor(
                     self._engine_thread,
@@ -346,6 +415,8 @@ class Scheduler:
                     self._finish(seq, error=EngineFailedError(f"forward pass failed: {exc}"))
             else:
                 self.steps += 1
+                computed = sum(len(r.token_ids) - r.num_cached_tokens for _, r in batch.prefills)
+                self.rates.prefill(computed, time.perf_counter() - t0)
                 try:
                     self._advance(batch, out)
                 except Exception as exc:  # not one sequence's: the step's output itself
@@ -459,7 +530,23 @@ class Scheduler:
         else:
             seq.t_admit = time.perf_counter()
             self._trace_admission(seq)
+        if alloc.num_promoted_blocks:
+            seq.promoting = True
+            self._trace_promotion(seq, alloc)
         return True
+
+    def _trace_promotion(self, seq: SequenceState, alloc: Allocation) -> None:
+        """A `promote` span inside the prefill: from admission until its copies ran."""
+        if seq.prefill_span is None:
+            return
+        ctx = trace.set_span_in_context(seq.prefill_span, seq.otel_ctx)
+        span = self.tracer.start_span("promote", context=ctx)
+        block_bytes = self.block_bytes
+        for tier, n in alloc.promoted_by_tier.items():
+            span.set_attribute(f"cachepoint.promote.{tier}_blocks", n)
+        span.set_attribute("cachepoint.promote.blocks", alloc.num_promoted_blocks)
+        span.set_attribute("cachepoint.promote.bytes", alloc.num_promoted_blocks * block_bytes)
+        seq.promote_span = span
 
     def _may_fit(self, seq: SequenceState, slots: int, resumed: bool) -> bool:
         """Whether ``slots`` token slots could be had at all: the free blocks plus as
@@ -470,7 +557,10 @@ class Scheduler:
         if resumed:
             per_seq = -(-self.settings.readmit_headroom_tokens // self.block_size)
             need += per_seq * (len(self.running) + 1)
-        return len(self.pool.free_queue) >= need
+        free = len(self.pool.free_queue)
+        if self.pool.lower is not None:
+            free += self.pool.counts().retained  # retained blocks may move down a tier
+        return free >= need
 
     def _headroom_after(self) -> bool:
         """Whether the free blocks cover `readmit_headroom_tokens` of growth for every
@@ -654,6 +744,7 @@ class Scheduler:
         assert seq.alloc is not None
         assert seq.plan is not None
         self._end_prefill_span(seq, None)
+        promoted = seq.alloc.num_promoted_blocks
         if seq.cache is not None:
             # NOTE: a recompute after a preemption: the report and `prefill_done` went
             # out at the first commit and stand (billed once); entries were written then.
@@ -684,6 +775,7 @@ class Scheduler:
             written_1h_tokens=w1h,
             retention_refused=seq.plan.refusal_reason is not None,
             refusal_reason=seq.plan.refusal_reason,
+            promoted_tokens=promoted * self.block_size,
         )
         seq.status = SeqStatus.DECODING
         seq.t_first = time.perf_counter()
@@ -812,6 +904,11 @@ class Scheduler:
                 preemptions=seq.preemptions,
             ),
         )
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one KV block across every TP rank (what a tier copy moves)."""
+        return self.engine.kv_block_bytes * self.settings.tensor_parallel_size
 
     def cache_stats(self) -> CacheStats:
         return self.manager.stats()

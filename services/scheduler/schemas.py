@@ -105,6 +105,7 @@ class CacheReport(BaseModel):
 
     prompt_tokens: int  # N
     engine_hit_tokens: int  # KV reused by the engine (full blocks; marker or not)
+    promoted_tokens: int = 0  # of engine_hit_tokens, brought up from the host or disk tier
     computed_tokens: int  # N - engine_hit_tokens
     entry_hit_tokens: int  # A: the longest live managed entry hit (0 = none)
     entry_hit_lookback: int | None  # boundaries back from its breakpoint; None = no hit
@@ -146,6 +147,24 @@ class BlockStats(BaseModel):
     retained_owners: int = 0  # tenants holding at least one retained block
 
 
+class TierStatsOut(BaseModel):
+    """One KV tier behind the device pool; counters are ever since the epoch began."""
+
+    tier: str  # "host" or "disk"
+    slots: int  # capacity in blocks
+    bytes: int  # capacity in bytes, all TP ranks together
+    used: int  # blocks held (visible, or in flight)
+    visible: int  # blocks a prefix can hit
+    retained: int  # TTL-retained blocks here now
+    max_retained: int  # this tier's retained cap
+    hit_blocks: int  # blocks hit here (promotions started)
+    promoted_blocks: int  # blocks that moved up into the device index
+    demoted_blocks: int  # blocks whose copy into this tier completed
+    evicted_blocks: int  # blocks pushed out (down a tier, or dropped)
+    dropped_blocks: int  # of those, lost from every tier
+    failed_copies: int  # copies into this tier that failed
+
+
 class StatsResponse(BaseModel):
     replica: str
     epoch: int
@@ -165,3 +184,6 @@ class StatsResponse(BaseModel):
     queued_prefill_tokens: int
     max_waiting: int
     preemptions: int = 0  # running sequences requeued to recompute (KV full), ever
+    tiers: list[TierStatsOut] = []  # host and disk tiers behind the device pool, if any
+    copied_blocks: int = 0  # blocks copied between tiers by the engine, ever
+    copy_seconds: float = 0.0  # engine time spent on those copies, ever

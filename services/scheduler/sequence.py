@@ -69,6 +69,8 @@ class SequenceState:
     cancelled: bool = False  # client went away; finish at the next step boundary
     otel_ctx: Context | None = None  # the request's trace context (its server span)
     prefill_span: Span | None = None  # open from admission to commit (or abort)
+    promote_span: Span | None = None  # open from admission until its tier copies ran
+    promoting: bool = False  # its promotion copies are queued and have not run yet
     decode_span: Span | None = None  # open from the first token to the end
     max_batch: int = 0  # the most sequences prefilled in one step with this one
     t_submit_ns: int = field(default_factory=time.time_ns)  # wall clock, for span starts

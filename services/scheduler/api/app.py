@@ -31,6 +31,26 @@ log = logging.getLogger(LOGGER)
 
 
 def build_engine(settings: ReplicaSettings) -> Engine:
+    if settings.kv_disk_path is not None:
+        # NOTE: promised by the setting: a missing directory is made (a fresh emptyDir
+        # or hostPath subdirectory), its parent was checked writable at start-up.
+        settings.kv_disk_path.mkdir(parents=True, exist_ok=True)
+    engine = _build_engine(settings)
+    for tier, asked, slots in (
+        ("kv_host_bytes", settings.kv_host_bytes, engine.host_kv_slots),
+        ("kv_disk_bytes", settings.kv_disk_bytes, engine.disk_kv_slots),
+    ):
+        if asked and not slots:
+            block = engine.kv_block_bytes * settings.tensor_parallel_size
+            engine.close()
+            raise ValueError(
+                f"{tier}={asked} holds no whole KV block: one block of this model takes "
+                f"{block} bytes over all {settings.tensor_parallel_size} TP rank(s)"
+            )
+    return engine
+
+
+def _build_engine(settings: ReplicaSettings) -> Engine:
     config = EngineConfig(
         block_size=settings.block_size,
         device=settings.device,
@@ -40,6 +60,11 @@ def build_engine(settings: ReplicaSettings) -> Engine:
         max_model_len=settings.max_model_len,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         tensor_parallel_size=settings.tensor_parallel_size,
+        # NOTE: the settings size the tiers for the whole replica; each TP rank holds
+        # its shard of every block, so each gets its share of the bytes.
+        host_kv_bytes=settings.kv_host_bytes // settings.tensor_parallel_size,
+        disk_kv_path=str(settings.kv_disk_path) if settings.kv_disk_path else None,
+        disk_kv_bytes=settings.kv_disk_bytes // settings.tensor_parallel_size,
     )
     if settings.model_dir is not None:
         return Engine(config=config, model_dir=Path(settings.model_dir), seed=settings.seed)

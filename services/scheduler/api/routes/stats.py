@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from ...schemas import BlockStats, StatsResponse
+from ...schemas import BlockStats, StatsResponse, TierStatsOut
 from ..deps import SchedulerDep, require_internal_token
 
 router = APIRouter(tags=["stats"], dependencies=[Depends(require_internal_token)])
@@ -41,4 +41,24 @@ async def stats(scheduler: SchedulerDep) -> StatsResponse:
         queued_prefill_tokens=scheduler.queued_prefill_tokens,
         max_waiting=scheduler.settings.max_waiting,
         preemptions=scheduler.preemptions,
+        tiers=[
+            TierStatsOut(
+                tier=str(t.tier),
+                slots=t.slots,
+                bytes=t.slots * scheduler.block_bytes,
+                used=t.used,
+                visible=t.visible,
+                retained=t.retained,
+                max_retained=t.max_retained,
+                hit_blocks=t.hits,
+                promoted_blocks=t.promotions,
+                demoted_blocks=t.demotions,
+                evicted_blocks=t.evictions,
+                dropped_blocks=t.dropped,
+                failed_copies=t.failed_copies,
+            )
+            for t in st.tiers
+        ],
+        copied_blocks=scheduler.copied_blocks,
+        copy_seconds=scheduler.copy_s,
     )
