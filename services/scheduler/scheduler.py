@@ -38,6 +38,7 @@ from cachepoint.kvcore import (
     EVICTION_POLICIES,
     Allocation,
     BlockCopy,
+    BlockHash,
     BlockPool,
     CacheStats,
     KVCacheManager,
@@ -45,6 +46,7 @@ from cachepoint.kvcore import (
     PoolExhaustedError,
     Tier,
     TierStore,
+    hash_blocks,
     monotonic_clock,
 )
 
@@ -501,15 +503,16 @@ class Scheduler:
         else:
             schedule = admission.key_schedule(seq.key_spans)
             cp = admission.plan(self.manager, seq.prompt, schedule, seq.breakpoints)
+        hashes = seq.resume_hashes if resumed and seq.resume_hashes else cp.block_hashes
         try:
-            alloc = self._allocate(cp, n, want)
+            alloc = self._allocate(hashes, n, want)
         except PoolExhaustedError as exc:
             if self.running:
                 return False
             try:
                 # NOTE: alone, it is admitted with the least it can run on rather than
                 # turned away; if the pool stays full it ends at `max_tokens` (_grow).
-                alloc = self._allocate(cp, n, least)
+                alloc = self._allocate(hashes, n, least)
             except PoolExhaustedError:
                 # Nothing will free blocks: what is held is retained by TTL.
                 self._finish(seq, error=OverloadedError(f"KV pool is full: {exc}"))
@@ -552,7 +555,7 @@ class Scheduler:
         """Whether ``slots`` token slots could be had at all: the free blocks plus as
         many cache hits as the prompt has full blocks and the pool has cached blocks
         (an upper bound), and for a readmission the headroom too."""
-        hits = min(seq.prompt_len // self.block_size, self.pool.num_cached_blocks)
+        hits = min(seq.prefill_len // self.block_size, self.pool.num_cached_blocks)
         need = -(-slots // self.block_size) - hits
         if resumed:
             per_seq = -(-self.settings.readmit_headroom_tokens // self.block_size)
@@ -568,13 +571,10 @@ class Scheduler:
         per_seq = -(-self.settings.readmit_headroom_tokens // self.block_size)
         return len(self.pool.free_queue) >= per_seq * (len(self.running) + 1)
 
-    def _allocate(self, cp: admission.CachePlan, n: int, slots: int) -> Allocation:
-        """Hit the prompt's cached prefix, then blocks for ``slots`` token slots in all.
-
-        NOTE: only the prompt's blocks are hashed, so a recompute publishes what the
-        first prefill did and never the generated tokens.
-        """
-        alloc = self.manager.allocate(cp.block_hashes, n)
+    def _allocate(self, hashes: list[BlockHash], n: int, slots: int) -> Allocation:
+        """Hit the cached prefix of ``hashes`` (the prompt's, or for a readmission the
+        prompt's and its output's), then blocks for ``slots`` token slots in all."""
+        alloc = self.manager.allocate(hashes, n)
         try:
             alloc.grow(slots)
         except PoolExhaustedError:
@@ -631,6 +631,27 @@ class Scheduler:
             seq.context_full = True
         return preempted
 
+    def _publish_progress(self, seq: SequenceState) -> None:
+        """Publish every full block ``seq`` has computed, output included, before its
+        blocks go back: its readmission then hits them (on the device, or promoted
+        from the host tier if they were demoted meanwhile) instead of recomputing.
+
+        NOTE: this turns recompute preemption into swapping wherever a lower tier has
+        room; without one it still saves whatever the device has not evicted yet.
+        """
+        assert seq.alloc is not None and seq.plan is not None
+        # The last sampled token has not been fed yet: KV exists up to the one before.
+        computed = seq.prompt + seq.output[:-1]
+        full = len(computed) // self.block_size
+        schedule = admission.key_schedule(seq.key_spans)
+        try:
+            hashes = hash_blocks(computed[: full * self.block_size], self.block_size, schedule)
+            seq.alloc.commit(hashes)
+        except Exception:  # an optimisation only: the recompute still works without it
+            log.exception("could not publish the progress of %s", seq.request_id)
+            return
+        seq.resume_hashes = hashes
+
     def _preempt(self, seq: SequenceState) -> None:
         """Return ``seq``'s blocks and requeue it at its rank to recompute later: ahead
         of everything that arrived after it at its priority.
@@ -641,6 +662,8 @@ class Scheduler:
         """
         assert seq.alloc is not None
         committed = seq.cache is not None
+        if committed:
+            self._publish_progress(seq)
         seq.alloc.close()  # abort if the prefill never committed, else free
         seq.alloc = None
         self.engine.forget(seq.arrival)  # its next admission gets other blocks

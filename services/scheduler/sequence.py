@@ -12,7 +12,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span
 
 from cachepoint.engine import SamplingParams, StopChecker
-from cachepoint.kvcore import Allocation
+from cachepoint.kvcore import Allocation, BlockHash
 
 from .admission import Breakpoint, CachePlan
 from .schemas import CacheReport
@@ -61,6 +61,9 @@ class SequenceState:
     generator: torch.Generator | None = None  # per-sequence sampling RNG
     num_computed: int = 0  # prefill positions whose KV is in the pool
     recompute: int = 0  # output tokens the next prefill recomputes (after a preemption)
+    # chain hashes of the full blocks it had computed when preempted (prompt and
+    # output), published then, so its readmission hits them instead of recomputing
+    resume_hashes: list[BlockHash] | None = None
     preemptions: int = 0  # times its blocks were taken back and it was requeued
     context_full: bool = False  # the pool cannot grow it: the next token is its last
     output: list[int] = field(default_factory=list)  # generated token ids

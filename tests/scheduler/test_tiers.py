@@ -192,3 +192,33 @@ def test_a_tier_smaller_than_one_block_is_a_clear_error() -> None:
 
     with pytest.raises(ValueError, match="kv_host_bytes=1000 holds no whole KV block"):
         build_engine(ReplicaSettings(name="r-small", kv_cache_bytes="8MiB", kv_host_bytes=1000))
+
+
+async def test_a_preempted_sequence_comes_back_from_its_published_progress(
+    tiered: Engine,
+) -> None:
+    # 20 device blocks; two sequences of 40 + 200 tokens need 30: the newer one is
+    # preempted. Its computed blocks (prompt and output) are published as it leaves,
+    # pushed to the host tier by the other's growth, and promoted back at readmission:
+    # a swap, not a recompute of its whole context.
+    kw = {"max_tokens": 200, "ignore_eos": True, "temperature": 0.0}
+    s = Scheduler(
+        tiered, ReplicaSettings(name="r-swap", max_num_batched_tokens=256), sink=RecordingSink()
+    )
+    s.start()
+    try:
+        alone = await _run(s, _prompt(7, 40), max_tokens=200)
+        s.manager.clear()
+        a = s.submit(GenerateRequest(token_ids=_prompt(8, 40), **kw))
+        b = s.submit(GenerateRequest(token_ids=_prompt(7, 40), **kw))
+        await asyncio.wait_for(asyncio.gather(a.done, b.done), 120)
+    finally:
+        await s.stop()
+    assert (a.preemptions, b.preemptions) == (0, 1)
+    assert b.output == alone.output  # the same tokens as without the preemption
+    # Only b's readmission can have hit (both prompts were new): far more than its
+    # prompt's two full blocks, i.e. its output's blocks came back.
+    assert s.cache_stats().hit_tokens > 40 + 64
+    host = s.cache_stats().tiers[0]
+    assert host.promotions > 0
+    s.pool.check_invariants()
