@@ -49,6 +49,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="KV pool as a share of requests x (prompt + max_tokens) tokens (0.1); never "
         "less than one whole sequence",
     )
+    p.add_argument(
+        "--host-frac",
+        type=float,
+        default=0.0,
+        help="a host KV tier behind the pool, as a share of the same total (0: none); "
+        "with one, a preemption is a swap: the victim's blocks are demoted and promoted back",
+    )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (16)")
     p.add_argument(
@@ -65,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
     if not 0 < args.pool_frac <= 1:
         p.error("--pool-frac must be in (0, 1]")
+    if not 0 <= args.host_frac <= 4:
+        p.error("--host-frac must be in [0, 4]")
     return args
 
 
@@ -78,7 +87,9 @@ def build(args: argparse.Namespace) -> tuple[Scheduler, ReplicaMetrics, int]:
     )
     dtype = "float32"  # NOTE: the CPU's; on a GPU the pool is capped by num_blocks below
     kv_bytes = blocks * args.block_size * model.kv_bytes_per_token(dtype)
+    host_slots = math.ceil(args.host_frac * total / args.block_size)
     config = EngineConfig(
+        host_kv_slots=host_slots,
         block_size=args.block_size,
         device=args.device,
         kv_cache_bytes=kv_bytes,
@@ -106,7 +117,8 @@ async def run(args: argparse.Namespace) -> int:
         f"# {args.requests} requests x (prompt {args.prompt} + max_tokens {args.max_tokens}) "
         f"on {blocks} blocks of {args.block_size} ({blocks * args.block_size} tokens, "
         f"{blocks * args.block_size / (args.requests * (args.prompt + args.max_tokens)):.3f} "
-        f"of the total), device {sched.engine.device}, torch {torch.__version__}",
+        f"of the total), host tier {sched.engine.host_kv_slots} blocks, "
+        f"device {sched.engine.device}, torch {torch.__version__}",
         flush=True,
     )
     sched.start()
@@ -152,6 +164,11 @@ async def run(args: argparse.Namespace) -> int:
     print(f"preemptions_metric  {metric:.0f}" if metric is not None else "preemptions_metric  -")
     print(f"completed           {completed}/{args.requests}")
     print(f"engine_steps        {sched.steps}")
+    for t in sched.cache_stats().tiers:
+        print(
+            f"{t.tier}_tier           hits {t.hits} promoted {t.promotions} demoted "
+            f"{t.demotions} dropped {t.dropped} (blocks); copies {sched.copy_s:.1f}s"
+        )
     return 0 if completed == args.requests else 1
 
 

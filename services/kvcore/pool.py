@@ -182,8 +182,10 @@ class BlockPool:
             self._events.append(BlockRemoved(tuple(evicted)))
         return out
 
-    def _demote_retained(self, short: int) -> None:
-        """Move up to ``short`` retained cached-free blocks down a tier to free their blocks.
+    def _demote_retained(self, short: int, *, owner: str | None = None) -> int:
+        """Move up to ``short`` retained cached-free blocks (only ``owner``'s, if given)
+        down a tier, freeing their blocks and their share of the retained budget.
+        Returns how many moved.
 
         NOTE: a TTL sold for an hour must not pin device memory for an hour: under
         pressure the retention travels down with the block (earliest deadline first,
@@ -191,11 +193,15 @@ class BlockPool:
         """
         lower = self.lower
         assert lower is not None
-        parked = [b for b in self.cached.values() if b.ref_cnt == 0 and b.retained_until > 0.0]
+        parked = [
+            b
+            for b in self.cached.values()
+            if b.ref_cnt == 0 and b.retained_until > 0.0 and owner in (None, b.retained_by)
+        ]
         parked.sort(key=lambda b: b.retained_until)
         removed: list[BlockHash] = []
         for block in parked[:short]:
-            if not lower.can_accept_retained():
+            if not lower.can_accept_retained(block.retained_by):
                 break
             h = block.block_hash
             owner = block.retained_by
@@ -220,6 +226,7 @@ class BlockPool:
         if removed:
             self.num_retained_demotions += len(removed)
             self._events.append(BlockRemoved(tuple(removed)))
+        return len(removed)
 
     def free(self, ordered_blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block, in the order given.
@@ -355,7 +362,14 @@ class BlockPool:
         # NOTE: a quota equal to the cap is no per-owner limit; the cap check below
         # then gives the truer reason. An owner at its quota never reclaims its own
         # older retentions: a TTL already sold is a guarantee, so the new one is refused.
-        if fresh and quota < self.max_retained and held + len(fresh) > quota:
+        over_quota = quota < self.max_retained and held + len(fresh) > quota
+        if fresh and over_quota and self.lower is not None:
+            # NOTE: the owner's older retained blocks keep their TTL one tier down, which
+            # makes room for the new one here (the lower tier applies its own quota).
+            self._demote_retained(held + len(fresh) - quota, owner=owner.key)
+            held = self._owned.get(owner.key, 0)
+            over_quota = held + len(fresh) > quota
+        if fresh and over_quota:
             self.num_retain_refusals += 1
             self.num_quota_refusals += 1
             return RetainResult.refused(
@@ -363,6 +377,9 @@ class BlockPool:
                 f"{len(fresh)} more requested",
                 deadline,
             )
+        if self._num_retained + len(fresh) > self.max_retained and self.lower is not None:
+            self._demote_retained(self._num_retained + len(fresh) - self.max_retained)
+            held = self._owned.get(owner.key, 0)  # it may have moved some of the owner's
         if self._num_retained + len(fresh) > self.max_retained:
             self.num_retain_refusals += 1
             return RetainResult.refused(

@@ -77,6 +77,7 @@ class TierStore:
         num_slots: int,
         *,
         retained_share: float = 0.5,
+        owner_share: float = 1.0,
         clock: Clock = monotonic_clock,
         lower: TierStore | None = None,
     ) -> None:
@@ -87,12 +88,17 @@ class TierStore:
             raise ValueError(f"{tier} tier needs a positive number of slots, got {num_slots}")
         if not 0.0 <= retained_share <= 1.0:
             raise ValueError("retained_share must be within [0, 1]")
+        if not 0.0 <= owner_share <= 1.0:
+            raise ValueError("owner_share must be within [0, 1]")
         if lower is not None and TIER_ORDER.index(lower.tier) <= TIER_ORDER.index(tier):
             raise ValueError(f"the tier below {tier} must be slower, got {lower.tier}")
         self.clock = clock
         self.lower = lower
         self.slots = [TierSlot(index=i) for i in range(num_slots)]
         self.max_retained = int(retained_share * num_slots)
+        # NOTE: each owner's share of this tier's retained budget, as on the device, so
+        # one tenant cannot move its way into every tier's whole budget.
+        self.owner_quota = int(owner_share * self.max_retained + 1e-9)
         self._index: dict[BlockHash, TierSlot] = {}  # visible slots by hash
         self._lru: OrderedDict[int, TierSlot] = OrderedDict()  # evictable, oldest first
         self._empty: list[TierSlot] = list(reversed(self.slots))  # a stack: low slots first
@@ -195,10 +201,17 @@ class TierStore:
 
     # -------------------------------------------------------------- demotion
 
-    def can_accept_retained(self) -> bool:
-        """A retained block could be demoted here now (cap and a reusable slot)."""
+    def can_accept_retained(self, owner: str | None = None) -> bool:
+        """A retained block (of ``owner``) could be demoted here now: cap, quota, a slot."""
         self.expire()
-        return self._num_retained < self.max_retained and (bool(self._empty) or bool(self._lru))
+        if self._num_retained >= self.max_retained or not (self._empty or self._lru):
+            return False
+        return owner is None or self._within_quota(owner)
+
+    def _within_quota(self, owner: str) -> bool:
+        if self.owner_quota >= self.max_retained:
+            return True
+        return self._owned.get(owner, 0) < self.owner_quota
 
     def reserve(
         self,
@@ -217,15 +230,17 @@ class TierStore:
         retained block would exceed this tier's cap.
         """
         self.expire()
-        if retained_until > 0.0 and self._num_retained >= self.max_retained:
-            return None
+        if retained_until > 0.0:
+            assert retained_by is not None, "a retained block has an owner"
+            if self._num_retained >= self.max_retained or not self._within_quota(retained_by):
+                return None
         slot = self._empty.pop() if self._empty else self._evict_one()
         if slot is None:
             return None
         slot.state = SlotState.PENDING
         slot.block_hash = block_hash
         if retained_until > 0.0:
-            assert retained_by is not None, "a retained block has an owner"
+            assert retained_by is not None
             self._charge(slot, retained_until, retained_by)
         self._copies.append(BlockCopy(block_hash, src_tier, src_index, self.tier, slot.index))
         return slot
@@ -312,6 +327,9 @@ class TierStore:
         self.expire()
         fresh = [s for s in slots if s.retained_until == 0.0]
         if self._num_retained + len(fresh) > self.max_retained:
+            return False
+        held = self._owned.get(owner, 0)
+        if fresh and self.owner_quota < self.max_retained and held + len(fresh) > self.owner_quota:
             return False
         for slot in slots:
             if slot.state is not SlotState.VISIBLE:
@@ -409,6 +427,8 @@ class TierStore:
                 assert slot.retained_by is None
         assert retained == self._num_retained, "retained counter drifted"
         assert retained <= self.max_retained, "retained cap exceeded"
+        if self.owner_quota < self.max_retained:
+            assert all(n <= self.owner_quota for n in owned.values()), "owner quota exceeded"
         assert owned == self._owned, "per-owner counts drifted"
 
 

@@ -335,9 +335,13 @@ class Scheduler:
         host, disk = engine.host_kv_slots, engine.disk_kv_slots
         if not host:
             return None
-        share = settings.retained_share
-        below = TierStore(Tier.DISK, disk, retained_share=share, clock=clock) if disk else None
-        return TierStore(Tier.HOST, host, retained_share=share, clock=clock, lower=below)
+        opts = {
+            "retained_share": settings.retained_share,
+            "owner_share": settings.org_retained_share,
+            "clock": clock,
+        }
+        below = TierStore(Tier.DISK, disk, **opts) if disk else None  # type: ignore[arg-type]
+        return TierStore(Tier.HOST, host, lower=below, **opts)  # type: ignore[arg-type]
 
     async def _copy(self, copies: list[BlockCopy]) -> bool:
         """Run queued tier copies on the engine thread, then publish or drop what they
@@ -504,6 +508,8 @@ class Scheduler:
             schedule = admission.key_schedule(seq.key_spans)
             cp = admission.plan(self.manager, seq.prompt, schedule, seq.breakpoints)
         hashes = seq.resume_hashes if resumed and seq.resume_hashes else cp.block_hashes
+        if resumed and self.running and not self._headroom_before(hashes, n, want):
+            return False
         try:
             alloc = self._allocate(hashes, n, want)
         except PoolExhaustedError as exc:
@@ -564,6 +570,17 @@ class Scheduler:
         if self.pool.lower is not None:
             free += self.pool.counts().retained  # retained blocks may move down a tier
         return free >= need
+
+    def _headroom_before(self, hashes: list[BlockHash], n: int, slots: int) -> bool:
+        """`_headroom_after`, predicted before allocating: only device hits save blocks.
+
+        NOTE: checked first so that a readmission that must wait neither queues
+        promotion copies for blocks it hands back at once nor counts them as hits.
+        """
+        m = self.manager.match(hashes, n)
+        need = -(-slots // self.block_size) - (m.num_blocks - m.lower_blocks)
+        per_seq = -(-self.settings.readmit_headroom_tokens // self.block_size)
+        return len(self.pool.free_queue) - need >= per_seq * (len(self.running) + 1)
 
     def _headroom_after(self) -> bool:
         """Whether the free blocks cover `readmit_headroom_tokens` of growth for every

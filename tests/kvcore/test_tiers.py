@@ -312,3 +312,59 @@ def test_tier_store_validates_its_arguments() -> None:
         pool.finish_copies(
             [BlockCopy(hash_blocks([1, 2], BLOCK)[0], Tier.HOST, 0, Tier.DISK, 0)], ok=True
         )
+
+
+def _entry(mgr: KVCacheManager, tokens: list[int], owner: RetentionOwner, ttl: float = 300.0):
+    hs = hash_blocks(tokens, BLOCK)
+    alloc = mgr.allocate(hs, len(tokens) + 1)
+    mgr.finish_copies(mgr.take_copies(), ok=True)
+    alloc.commit()
+    key = entry_key_at(tokens, len(tokens), hs, BLOCK, ())
+    written = mgr.write_entry(key, len(tokens), hs, ttl, owner)
+    alloc.free()
+    mgr.finish_copies(mgr.take_copies(), ok=True)
+    return key, written
+
+
+def test_a_full_device_retained_share_moves_older_entries_down_instead_of_refusing() -> None:
+    # 16 device blocks, 8 retained at most; the host tier keeps 32 retained.
+    clock = ManualClock(0.0)
+    host = TierStore(Tier.HOST, 64, clock=clock, retained_share=0.5)
+    pool = BlockPool(16, BLOCK, retained_share=0.5, clock=clock, lower=host)
+    mgr = KVCacheManager(pool)
+    owner = RetentionOwner("org:a")
+    keys = []
+    for tag in range(6):  # 6 entries of 4 blocks: 24 retained blocks
+        clock.advance(1.0)
+        key, w = _entry(mgr, prompt(tag, 4), owner)
+        assert w.written, w.refused_reason
+        keys.append(key)
+    assert pool.counts().retained <= pool.max_retained
+    assert pool.counts().retained + host.retained_by("org:a") == 24
+    # The oldest went down with their TTL, and still hit (and refresh) there.
+    assert tiers_of(pool, prompt(0, 4)) == ["host"] * 4
+    assert mgr.lookup_entry([keys[0]]) is not None
+    pool.check_invariants()
+
+
+def test_an_owner_at_its_device_quota_moves_its_own_older_entries_down() -> None:
+    clock = ManualClock(0.0)
+    host = TierStore(Tier.HOST, 64, clock=clock, retained_share=0.5, owner_share=0.5)
+    pool = BlockPool(16, BLOCK, retained_share=0.5, owner_share=0.5, clock=clock, lower=host)
+    mgr = KVCacheManager(pool)
+    a, b = RetentionOwner("org:a"), RetentionOwner("org:b")
+    assert pool.owner_quota(a) == 4 and host.owner_quota == 16
+    _, wb = _entry(mgr, prompt(9, 4), b)  # b holds its whole device quota
+    assert wb.written
+    for tag in range(3):
+        clock.advance(1.0)
+        assert _entry(mgr, prompt(tag, 4), a)[1].written
+    # a's older entries moved down; b's stayed where they were.
+    assert pool.retained_by("org:a") == 4 and host.retained_by("org:a") == 8
+    assert pool.retained_by("org:b") == 4
+    # The host tier holds a to its own quota too: past it, a new entry is refused.
+    for tag in range(3, 6):
+        clock.advance(1.0)
+        _entry(mgr, prompt(tag, 4), a)
+    assert host.retained_by("org:a") <= host.owner_quota
+    pool.check_invariants()

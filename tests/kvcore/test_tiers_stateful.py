@@ -47,17 +47,32 @@ class TieredMachine(RuleBasedStateMachine):
         host=st.integers(1, 8),
         disk=st.integers(0, 8),
         share=st.sampled_from([0.0, 0.5, 1.0]),
+        owner_share=st.sampled_from([0.5, 1.0]),
     )
-    def setup(self, device: int, host: int, disk: int, share: float) -> None:
+    def setup(self, device: int, host: int, disk: int, share: float, owner_share: float) -> None:
         self.clock = ManualClock(0.0)
         disk_store = (
-            TierStore(Tier.DISK, disk, clock=self.clock, retained_share=share) if disk else None
+            TierStore(
+                Tier.DISK, disk, clock=self.clock, retained_share=share, owner_share=owner_share
+            )
+            if disk
+            else None
         )
         self.host = TierStore(
-            Tier.HOST, host, clock=self.clock, retained_share=share, lower=disk_store
+            Tier.HOST,
+            host,
+            clock=self.clock,
+            retained_share=share,
+            owner_share=owner_share,
+            lower=disk_store,
         )
         self.pool = BlockPool(
-            device, BLOCK, retained_share=share, clock=self.clock, lower=self.host
+            device,
+            BLOCK,
+            retained_share=share,
+            owner_share=owner_share,
+            clock=self.clock,
+            lower=self.host,
         )
         self.mgr = KVCacheManager(self.pool)
         self.open: list[tuple[Allocation, list[int]]] = []

@@ -221,4 +221,35 @@ async def test_a_preempted_sequence_comes_back_from_its_published_progress(
     assert s.cache_stats().hit_tokens > 40 + 64
     host = s.cache_stats().tiers[0]
     assert host.promotions > 0
+    # A readmission that has to wait checks first: it never starts promotions (copies,
+    # hits) that it would hand back at once.
+    assert host.hits == host.promotions
+    s.pool.check_invariants()
+
+
+async def test_a_readmission_that_must_wait_starts_no_promotions() -> None:
+    # Eight sequences that together need far more than the pool (bench/preempt_bench.py
+    # in small): preempted ones wait for headroom while others run. Waiting must not
+    # queue promotion copies (and count hits) for blocks it would hand straight back.
+    cfg = ModelConfig.tiny()
+    per_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * (cfg.hidden_size // cfg.num_heads) * 4
+    engine = Engine(
+        cfg,
+        EngineConfig(kv_cache_bytes=98 * per_block, max_model_len=LEN, host_kv_slots=256),
+        seed=5,
+    )
+    kw = {"max_tokens": 200, "ignore_eos": True, "temperature": 0.0}
+    s = Scheduler(
+        engine, ReplicaSettings(name="r-wait", max_num_batched_tokens=2048), sink=RecordingSink()
+    )
+    s.start()
+    try:
+        seqs = [s.submit(GenerateRequest(token_ids=_prompt(20 + i, 40), **kw)) for i in range(8)]
+        await asyncio.wait_for(asyncio.gather(*(q.done for q in seqs)), 120)
+    finally:
+        await s.stop()
+        engine.close()
+    assert s.preemptions > 0
+    host = s.cache_stats().tiers[0]
+    assert host.promotions > 0 and host.hits == host.promotions
     s.pool.check_invariants()
