@@ -146,6 +146,9 @@ class Stack:
     # KV per replica; None = the replica's own: 256 MiB for the random model (two
     # sequences of its full context), a named model's preset budget.
     kv_budget: str | None = None
+    # Host-memory KV tier per replica behind the device pool (e.g. "128MiB"); None = the
+    # replica's own default (no host tier).
+    kv_host_bytes: str | None = None
     min_cacheable_tokens: int = 1024
     routing_policy: str = "cache_aware"
     model_preset: str = "tiny"
@@ -196,6 +199,15 @@ class Stack:
         if self.model_dir is not None:
             return checkpoint_model_name(self.model_dir)
         return RANDOM_MODEL_NAME
+
+    def kv_args(self) -> list[str]:
+        """The replicas' KV sizing flags: the device budget and the host tier, if set."""
+        args: list[str] = []
+        if self.kv_budget is not None:
+            args += ["--kv-budget", self.kv_budget]
+        if self.kv_host_bytes is not None:
+            args += ["--kv-host-bytes", self.kv_host_bytes]
+        return args
 
     @property
     def db_url(self) -> str:
@@ -267,8 +279,7 @@ class Stack:
                     "--log-level",
                     "warning",
                 ]
-                if self.kv_budget is not None:
-                    args += ["--kv-budget", self.kv_budget]
+                args += self.kv_args()
                 if self.model is not None:
                     args += ["--model", self.model]
                 elif self.model_dir is not None:

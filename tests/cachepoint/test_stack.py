@@ -20,3 +20,17 @@ from cachepoint.stack import replica_threads
 )
 def test_replica_threads_hold_back_a_core(cores, replicas, threads):
     assert replica_threads(cores, replicas) == threads
+
+
+def test_kv_sizes_reach_the_replica_command_line(tmp_path):
+    """The stack hands its KV sizes to every replica as flags the replica parses into
+    its settings (the host tier only when asked for)."""
+    from cachepoint.scheduler.cli import build_parser
+    from cachepoint.stack import Stack
+
+    assert Stack(tmp_path).kv_args() == []
+    stack = Stack(tmp_path, kv_budget="4MiB", kv_host_bytes="16MiB")
+    assert stack.kv_args() == ["--kv-budget", "4MiB", "--kv-host-bytes", "16MiB"]
+    args = build_parser().parse_args(stack.kv_args())
+    assert args.kv_cache_bytes == 4 * 2**20
+    assert args.kv_host_bytes == 16 * 2**20
