@@ -253,3 +253,34 @@ async def test_a_readmission_that_must_wait_starts_no_promotions() -> None:
     host = s.cache_stats().tiers[0]
     assert host.promotions > 0 and host.hits == host.promotions
     s.pool.check_invariants()
+
+
+async def test_a_promotion_is_traced_as_a_promote_span_inside_the_prefill(tiered: Engine) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    s = Scheduler(tiered, ReplicaSettings(name="r-tier-trace"), sink=RecordingSink())
+    s.tracer = provider.get_tracer("test")
+    s.start()
+    try:
+        await _run(s, _prompt(11))
+        await _run(s, _prompt(12))
+        again = await _run(s, _prompt(11))
+    finally:
+        await s.stop()
+    spans = exporter.get_finished_spans()
+    promotes = [sp for sp in spans if sp.name == "promote"]
+    assert len(promotes) == 1
+    promote = promotes[0]
+    prefill = next(
+        sp for sp in spans if sp.name == "prefill" and sp.context.span_id == promote.parent.span_id
+    )
+    assert prefill.start_time <= promote.start_time <= promote.end_time <= prefill.end_time
+    assert again.cache is not None
+    blocks = again.cache.promoted_tokens // 16
+    assert promote.attributes["cachepoint.promote.host_blocks"] == blocks
+    assert promote.attributes["cachepoint.promote.bytes"] == blocks * s.block_bytes
