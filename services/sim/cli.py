@@ -68,6 +68,20 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _tier_fraction(text: str) -> float:
+    """A tier's share: like `_fraction`, but 0 (no such tier) is allowed."""
+    raw = text.strip()
+    try:
+        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a fraction like 0.04 or 4%, got {text!r}"
+        ) from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be within [0, 1], got {text}")
+    return value
+
+
 def _add_trace_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--trace",
@@ -107,6 +121,24 @@ def add_sim_parser(
         type=_positive_int,
         metavar="N",
         help="pool size per replica in kvcore blocks (overrides --capacity-frac)",
+    )
+    sim.add_argument(
+        "--host-frac",
+        type=_tier_fraction,
+        default=0.0,
+        metavar="F",
+        help=(
+            "host-memory tier per replica, a share of the trace's distinct blocks like "
+            "--capacity-frac (0 = none, the default); blocks evicted from the device go "
+            "there and come back over PCIe (docs/sim.md)"
+        ),
+    )
+    sim.add_argument(
+        "--disk-frac",
+        type=_tier_fraction,
+        default=0.0,
+        metavar="F",
+        help="local-disk tier per replica behind the host tier, likewise (0 = none)",
     )
     sim.add_argument(
         "--policy",
@@ -263,6 +295,8 @@ def _run_one(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         replicas=args.replicas,
         capacity_frac=args.capacity_frac,
         capacity_blocks=args.capacity_blocks,
+        host_frac=args.host_frac,
+        disk_frac=args.disk_frac,
         block_size=args.block_size,
         policy=args.policy,
         eviction=args.eviction,
@@ -302,6 +336,7 @@ def format_summary(r: dict[str, Any]) -> str:
         f"fleet        {r['replicas']} replicas x {r['capacity_blocks']:,} blocks of "
         f"{r['block_size']} tokens ({pct(r['capacity_frac'])} of distinct blocks each)",
         f"policy       {r['policy']} routing, {r['eviction']} eviction, retention {r['retention']}",
+        *_tier_lines(r),
         f"hit ratio    {pct(r['hit_ratio'])} of prefix blocks "
         f"(tokens {pct(r['token_hit_ratio'])}); bound {pct(r['bound'])}; "
         f"ratio to bound {pct(r['ratio_to_bound'])}",
@@ -317,3 +352,26 @@ def format_summary(r: dict[str, Any]) -> str:
         f"elapsed      {r['elapsed_s']:.1f} s replay + {r['prepare_s']:.1f} s load/hash",
     ]
     return "\n".join(lines)
+
+
+def _tier_lines(r: dict[str, Any]) -> list[str]:
+    """The lower tiers' lines of the summary; none for a device-only fleet."""
+    if not r.get("tiers"):
+        return []
+    by_tier = r["hit_ratio_by_tier"]
+    lines = []
+    for name, t in r["tiers"].items():
+        frac = r.get(f"{name}_frac", 0.0)
+        lines.append(
+            f"{name + ' tier':<13}{t['slots']:,} blocks per replica ({100 * frac:.1f}% of "
+            f"distinct); {100 * by_tier.get(name, 0.0):.1f}% of prefix blocks hit here; "
+            f"{t['promotions']:,} promoted, {t['demotions']:,} demoted, "
+            f"{t['dropped']:,} dropped"
+        )
+    wait = r.get("promote_p90_s")
+    if wait is not None:
+        lines.append(
+            f"promotions   {r['promoted_requests']:,} requests waited p50 "
+            f"{1000 * r['promote_p50_s']:.1f} ms, p90 {1000 * wait:.1f} ms for their copies"
+        )
+    return lines

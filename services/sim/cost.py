@@ -4,7 +4,9 @@ Time comes from FLOPs and bytes, with the model's shape and the GPU's published
 peak figures, scaled by an achieved fraction. The defaults are Llama-3.1-8B in
 BF16 on one H100 SXM5; docs/sim.md states every figure and where it comes from.
 The FLOP count is the one bench/prefill_bench.py uses, so a measured prefill rate
-calibrates ``prefill_mfu`` directly.
+calibrates ``prefill_mfu`` directly. KV tier copies (device <-> host over PCIe, host
+<-> disk over NVMe) take bytes over the slowest link on their way, at a datasheet
+peak times an achieved fraction; docs/scaling.md states the figures.
 """
 
 from __future__ import annotations
@@ -31,6 +33,19 @@ class ReplicaCostModel:
     decode_bw_efficiency: float = 0.7  # achieved share of HBM bandwidth in decode (assumed)
     prefill_overhead_s: float = 0.004  # per prefill: scheduling, launch, sampling (assumed)
     step_overhead_s: float = 0.002  # per decode step (assumed)
+    pcie_bytes_per_s: float = 63.0e9  # PCIe Gen5 x16, one direction: 32 GT/s x 16 x 128/130 / 8
+    pcie_efficiency: float = 0.8  # achieved share in pinned block copies (assumed; ~50 GB/s)
+    disk_read_bytes_per_s: float = 6.5e9  # one PCIe Gen4 NVMe drive (Samsung PM9A3 U.2), seq. read
+    disk_write_bytes_per_s: float = 3.5e9  # the same drive, sequential write
+    disk_efficiency: float = 0.8  # achieved share through memory-mapped files (assumed)
+
+    def __post_init__(self) -> None:
+        for name in ("pcie_bytes_per_s", "disk_read_bytes_per_s", "disk_write_bytes_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
+        for name in ("pcie_efficiency", "disk_efficiency"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be within (0, 1]")
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -76,3 +91,42 @@ class ReplicaCostModel:
     def prefill_tokens_per_s(self, prompt_tokens: int = 8192) -> float:
         """Cold prefill throughput at a prompt length, for reports."""
         return prompt_tokens / self.prefill_s(prompt_tokens, 0)
+
+    def block_bytes(self, block_size: int) -> int:
+        """Bytes of KV one pool block of ``block_size`` tokens holds."""
+        return block_size * self.kv_bytes_per_token
+
+    def copy_bytes_per_s(self, src: str, dst: str) -> float:
+        """Achieved bandwidth of one block copy from tier ``src`` to tier ``dst``.
+
+        Tiers are named "device", "host", "disk". A copy that touches the device
+        crosses PCIe; one that touches the disk crosses the NVMe drive; one that does
+        both (disk -> device, staged through host memory) is pipelined, so its rate is
+        the slower of the two.
+        """
+        if src == dst:
+            raise ValueError(f"a copy moves a block between two tiers, got {src} -> {dst}")
+        rates = []
+        if "device" in (src, dst):
+            rates.append(self.pcie_bytes_per_s * self.pcie_efficiency)
+        if src == "disk":
+            rates.append(self.disk_read_bytes_per_s * self.disk_efficiency)
+        if dst == "disk":
+            rates.append(self.disk_write_bytes_per_s * self.disk_efficiency)
+        if not rates:
+            raise ValueError(f"unknown tiers in a copy {src} -> {dst}")
+        return min(rates)
+
+    @property
+    def host_promote_bytes_per_s(self) -> float:
+        """Achieved host -> device copy bandwidth (what a host hit's promotion runs at)."""
+        return self.copy_bytes_per_s("host", "device")
+
+    @property
+    def disk_promote_bytes_per_s(self) -> float:
+        """Achieved disk -> device copy bandwidth (what a disk hit's promotion runs at)."""
+        return self.copy_bytes_per_s("disk", "device")
+
+    def copy_s(self, src: str, dst: str, nbytes: int) -> float:
+        """Seconds to move ``nbytes`` of KV from tier ``src`` to tier ``dst``."""
+        return nbytes / self.copy_bytes_per_s(src, dst)

@@ -8,16 +8,21 @@ from typing import Any
 from cachepoint.kvcore import (
     EVICTION_POLICIES,
     Allocation,
+    BlockCopy,
     BlockPool,
     Clock,
     EvictionPolicy,
     KVCacheManager,
     PoolExhaustedError,
     PrefixIndex,
+    Tier,
+    TierStore,
 )
 from cachepoint.routing import ReplicaView
 
 from .content import PreparedRequest
+from .cost import ReplicaCostModel
+from .links import LinkSchedule
 from .result import ReplicaStats
 from .trace import Breakpoint, TraceRequest
 
@@ -29,6 +34,20 @@ def make_eviction(name: str, **options: Any) -> EvictionPolicy:
         raise ValueError(f"unknown eviction {name!r}; choose from {', '.join(EVICTION_POLICIES)}")
     policy: EvictionPolicy = cls(**options)
     return policy
+
+
+def lower_tiers(
+    host_slots: int, disk_slots: int, *, clock: Clock, retained_share: float
+) -> TierStore | None:
+    """The tiers behind a device pool: host, then disk; either may be absent (0 slots)."""
+    disk = (
+        TierStore(Tier.DISK, disk_slots, retained_share=retained_share, clock=clock)
+        if disk_slots
+        else None
+    )
+    if not host_slots:
+        return disk
+    return TierStore(Tier.HOST, host_slots, retained_share=retained_share, clock=clock, lower=disk)
 
 
 class Job:
@@ -44,6 +63,8 @@ class Job:
         "input_length",
         "output_length",
         "prep",
+        "promote_s",
+        "promoted",
         "read_tokens",
         "req",
     )
@@ -67,6 +88,8 @@ class Job:
         self.alloc: Allocation | None = None  # its blocks, from admission to finish
         self.hit_tokens = 0  # prompt tokens the pool served at admission
         self.read_tokens = 0  # tokens billed as a cache read
+        self.promoted: dict[Tier, int] = {}  # hit blocks promoted from a lower tier, by tier
+        self.promote_s = 0.0  # seconds its prefill waited for those promotions
 
 
 class SimReplica:
@@ -77,7 +100,10 @@ class SimReplica:
         "cached_tokens",
         "context_tokens",
         "decoding",
+        "hit_blocks",
+        "links",
         "manager",
+        "pending",
         "pool",
         "prefill_end",
         "prefill_start",
@@ -99,9 +125,18 @@ class SimReplica:
         retained_share: float,
         eviction: EvictionPolicy,
         max_waiting: int | None = None,
+        host_slots: int = 0,
+        disk_slots: int = 0,
+        cost: ReplicaCostModel | None = None,
     ) -> None:
+        lower = lower_tiers(host_slots, disk_slots, clock=clock, retained_share=retained_share)
         self.pool = BlockPool(
-            num_blocks, block_size, retained_share=retained_share, clock=clock, eviction=eviction
+            num_blocks,
+            block_size,
+            retained_share=retained_share,
+            clock=clock,
+            eviction=eviction,
+            lower=lower,
         )
         self.manager = KVCacheManager(self.pool)  # the scheduler's façade over the pool
         self.view = ReplicaView(name, PrefixIndex(), max_waiting=max_waiting)  # the router's view
@@ -116,6 +151,11 @@ class SimReplica:
         self.prefill_tokens = 0  # tokens computed in prefill, ever
         self.cached_tokens = 0  # prompt tokens served from the pool, ever
         self.busy_s = 0.0  # seconds of prefill, ever
+        cost = cost or ReplicaCostModel()
+        self.links = LinkSchedule(cost, cost.block_bytes(block_size))  # its copy links
+        # copy batches handed to the "engine" and not yet finished: (done at, copies)
+        self.pending: deque[tuple[float, list[BlockCopy]]] = deque()
+        self.hit_blocks: dict[Tier, int] = dict.fromkeys(Tier, 0)  # kvcore blocks hit, by tier
 
     @property
     def idle(self) -> bool:
@@ -141,8 +181,38 @@ class SimReplica:
             queued += int(job.est_prefill * min(max(left, 0.0), 1.0))
         self.view.queued_prefill_tokens = queued
 
+    def settle(self, now: float | None = None) -> bool:
+        """Finish the copy batches done by ``now`` (every one if None); True if any finished.
+
+        NOTE: a demoted block becomes hittable in its tier only here, when its copy
+        has completed (write-then-publish). A replica's engine runs a batch's copies
+        before its next forward, so every batch is finished before the next
+        allocation at the latest.
+        """
+        pending = self.pending
+        done = False
+        while pending and (now is None or pending[0][0] <= now):
+            _, copies = pending.popleft()
+            self.manager.finish_copies(copies, ok=True)
+            done = True
+        return done
+
+    def _copies(self, now: float) -> tuple[float, float]:
+        """Hand the manager's queued copies to the links; (promotions done, demotions done)."""
+        copies = self.manager.take_copies()
+        if not copies:
+            return now, now
+        timing = self.links.schedule(copies, now)
+        self.pending.append((max(timing.promoted_at, timing.demoted_at), copies))
+        return timing.promoted_at, timing.demoted_at
+
     def start(self, job: Job, now: float) -> int | None:
-        """Admit the queue's head: hit, allocate prompt and output slots. None if it cannot fit."""
+        """Admit the queue's head: hit, allocate prompt and output slots. None if it cannot fit.
+
+        Sets ``job.promote_s``, how long the prefill must wait for the promotions of its
+        lower-tier hits (behind any copies already queued on the same links).
+        """
+        self.settle()
         try:
             alloc = self.manager.allocate(job.prep.block_hashes, job.input_length)
         except PoolExhaustedError:
@@ -152,7 +222,15 @@ class SimReplica:
                 alloc.grow(job.input_length + job.output_length)
             except PoolExhaustedError:
                 alloc.abort()
+                self._copies(now)  # the demotions it made still run
                 return None
+        promoted_at, _ = self._copies(now)
+        job.promote_s = promoted_at - now
+        job.promoted = dict(alloc.promoted_by_tier)
+        promoted = alloc.num_promoted_blocks
+        self.hit_blocks[Tier.DEVICE] += alloc.num_hit_blocks - promoted
+        for tier, n in alloc.promoted_by_tier.items():
+            self.hit_blocks[tier] += n
         self.waiting.popleft()
         self.queued_waiting -= job.est_prefill
         self.view.waiting -= 1

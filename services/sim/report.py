@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cachepoint.routing import CacheAwarePolicy
+
 from .billing import PriceTable
 from .bound import reuse_profile
 from .cli import SHIPPED_EVICTION, SHIPPED_POLICY
@@ -29,6 +31,12 @@ BASELINE = "cache_aware + lru"  # the issue's baseline: longest match, load pena
 SHIPPED = f"{SHIPPED_POLICY} + {SHIPPED_EVICTION}"  # the label of what the product ships
 TARGETS = {0.01: 0.95, 0.005: 0.80}  # capacity per replica -> ratio-to-bound goal
 ORACLE = "prefix_affinity + oracle"  # the clairvoyant reference
+# NOTE: a label is "routing + eviction"; the routing may carry options as
+# "name:key=value,...". This one is the default issue 16 recommends (docs/sim.md).
+LIGHT_LOAD = "cache_aware:load_weight=0.1"  # cache_aware with a fifth of the shipped load weight
+# NOTE: drawn only while the shipped cache_aware weighs load differently; once it is
+# the default, "cache_aware + ..." is the same configuration.
+_LIGHT = (LIGHT_LOAD,) if CacheAwarePolicy().load_weight != 0.1 else ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,11 +57,28 @@ _LINES = (
     Line("prefix_affinity + lru", "prefix_affinity", "lru"),
     Line("prefix_affinity + reuse_credit", "prefix_affinity", "reuse_credit"),
     Line("prefix_affinity + hit_density", "prefix_affinity", "hit_density"),
+    *(Line(f"{p} + reuse_credit", p, "reuse_credit") for p in _LIGHT),
 )
 LINES = (
     *_LINES,
-    *([] if SHIPPED in {x.label for x in _LINES} else [Line(SHIPPED, *SHIPPED.split(" + "))]),
+    *(
+        []
+        if SHIPPED in {x.label for x in _LINES}
+        else [Line(SHIPPED, SHIPPED_POLICY, SHIPPED_EVICTION)]
+    ),
     Line(ORACLE, "prefix_affinity", "oracle", reference=True),  # last: LINES[:-1] skips it
+)
+# Lines of the host-size curve.
+CURVE = tuple(
+    dict.fromkeys(
+        (
+            "round_robin + lru",
+            BASELINE,
+            SHIPPED,
+            *(f"{p} + reuse_credit" for p in _LIGHT),
+            "prefix_affinity + reuse_credit",
+        )
+    )
 )
 # Lines of the one-pool reference, where routing cannot lose a hit.
 POOLED = tuple(dict.fromkeys((BASELINE, SHIPPED, "prefix_affinity + hit_density", ORACLE)))
@@ -71,10 +96,35 @@ class Sweep:
     headline_replicas: int = 16  # the fleet of the headline table
     headline_fracs: tuple[float, ...] = (0.01, 0.005)  # the capacities of the headline table
     seeds: tuple[int, ...] = (0, 1, 2)  # seeds of the headline runs (the rest use seed 0)
+    # KV tiers (issue 16), all at the headline fleet size and seed 0:
+    # (device, host) capacities per replica with a goal, each run for every grid combination
+    tier_points: tuple[tuple[float, float], ...] = ((0.01, 0.04), (0.005, 0.02))
+    grid_policies: tuple[str, ...] = (
+        "round_robin",
+        "least_loaded",
+        "cache_aware",
+        *_LIGHT,
+        "prefix_affinity",
+    )
+    grid_evictions: tuple[str, ...] = ("lru", "slru", "reuse_credit", "hit_density")
+    host_fracs: tuple[float, ...] = (0.01, 0.02, 0.04, 0.08)  # the host-size curve's points
+    curve_lines: tuple[str, ...] = CURVE  # its lines
+    # (device, host, disk) points of the shipped combination with a disk tier
+    disk_points: tuple[tuple[float, float, float], ...] = ((0.01, 0.01, 0.04), (0.005, 0.005, 0.02))
 
 
 FULL = Sweep(None, (1, 4, 16, 64), (0.0025, 0.005, 0.01, 0.02, 0.04), (1.0, 0.5, 0.25, 0.15))
-QUICK = Sweep(1500, (4, 16), (0.005, 0.01), (1.0, 0.5))
+QUICK = Sweep(
+    1500,
+    (4, 16),
+    (0.005, 0.01),
+    (1.0, 0.5),
+    grid_policies=("cache_aware", "prefix_affinity"),
+    grid_evictions=("lru", "reuse_credit"),
+    host_fracs=(0.01, 0.04),
+    disk_points=((0.01, 0.01, 0.04),),
+)
+TIER_GOALS = {(0.01, 0.04): 0.95, (0.005, 0.02): 0.90}  # (device, host) -> ratio-to-bound goal
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,22 +138,51 @@ class Run:
     time_scale: float = 1.0  # arrival time multiplier
     keep_ttft: bool = False  # return every TTFT (for the CDF)
     seed: int = 0  # seeds routing ties
+    host_frac: float = 0.0  # host tier per replica (0: none)
+    disk_frac: float = 0.0  # disk tier per replica (0: none)
 
 
 _PREPARED: PreparedTrace | None = None  # set before the workers fork
 
 
+def parse_label(label: str) -> tuple[str, dict[str, float], str]:
+    """``"routing[:key=value,...] + eviction"`` -> (routing, its options, eviction)."""
+    head, sep, eviction = label.partition(" + ")
+    if not sep or not head or not eviction:
+        raise ValueError(f"{label!r} is not 'routing + eviction'")
+    policy, _, opts = head.partition(":")
+    options: dict[str, float] = {}
+    for item in filter(None, opts.split(",")):
+        key, eq, value = item.partition("=")
+        try:
+            options[key] = float(value)
+        except ValueError:
+            raise ValueError(f"{label!r}: option {item!r} is not key=number") from None
+        if not eq:
+            raise ValueError(f"{label!r}: option {item!r} is not key=number")
+    return policy, options, eviction
+
+
 def _config(run: Run) -> SimConfig:
-    line = next(x for x in LINES if x.label == run.line)
+    # NOTE: every label is "routing + eviction", the LINES' and the tier grid's alike.
+    policy, options, eviction = parse_label(run.line)
     return SimConfig(
         replicas=run.replicas,
         capacity_frac=run.frac,
-        policy=line.policy,
-        eviction=line.eviction,
+        host_frac=run.host_frac,
+        disk_frac=run.disk_frac,
+        policy=policy,
+        policy_options=options,
+        eviction=eviction,
         retention=run.retention,
         time_scale=run.time_scale,
         seed=run.seed,
     )
+
+
+def grid_labels(sweep: Sweep) -> list[str]:
+    """Every routing + eviction of the tier grid."""
+    return [f"{p} + {e}" for p in sweep.grid_policies for e in sweep.grid_evictions]
 
 
 def _execute(run: Run) -> dict[str, Any]:
@@ -113,6 +192,8 @@ def _execute(run: Run) -> dict[str, Any]:
     out["line"] = run.line
     out["frac"] = run.frac  # the capacity asked for (capacity_frac is after rounding to blocks)
     out["seed"] = run.seed
+    out["host"] = run.host_frac  # the tier sizes asked for
+    out["disk"] = run.disk_frac
     if run.keep_ttft:
         out["ttft_s"] = list(result.ttft_s)
     return out
@@ -144,7 +225,20 @@ def _plan(sweep: Sweep) -> list[Run]:
     # is as busy as each of the fleet's; unstretched, queueing would reorder the trace.
     for f in sweep.headline_fracs:
         runs.extend(Run(label, 1, f * hr, time_scale=float(hr)) for label in POOLED)
-    return runs
+    # KV tiers: every routing x eviction at each goal point, with and without the host
+    # tier; the host-size curve of the drawn lines; the shipped lines with a disk tier.
+    for dev, host in sweep.tier_points:
+        for label in grid_labels(sweep):
+            runs.append(Run(label, hr, dev))
+            runs.append(Run(label, hr, dev, host_frac=host))
+    for dev in sweep.headline_fracs:
+        for host in sweep.host_fracs:
+            runs.extend(Run(label, hr, dev, host_frac=host) for label in sweep.curve_lines)
+    for dev, host, disk in sweep.disk_points:
+        runs.append(Run(SHIPPED, hr, dev, host_frac=host))
+        runs.append(Run(SHIPPED, hr, dev, host_frac=host, disk_frac=disk))
+    # NOTE: the grid repeats some drawn lines' runs; each configuration runs once.
+    return list(dict.fromkeys(runs))
 
 
 def write_report(
@@ -179,6 +273,19 @@ def write_report(
         ),
     ).run()
     timing_total = time.perf_counter() - t0
+    tier_timing = None
+    if sweep.tier_points:
+        dev, host = sweep.tier_points[0]
+        tier_timing = Simulator(
+            prepared,
+            SimConfig(
+                replicas=sweep.headline_replicas,
+                capacity_frac=dev,
+                host_frac=host,
+                policy=shipped.policy,
+                eviction=shipped.eviction,
+            ),
+        ).run()
     _PREPARED = prepared
 
     runs = _plan(sweep)
@@ -216,6 +323,14 @@ def write_report(
             "total_s": timing_total,
             "ratio_to_bound": timing.ratio_to_bound,
         },
+        "tier_timing": None
+        if tier_timing is None
+        else {
+            "capacity_frac": sweep.tier_points[0][0],
+            "host_frac": sweep.tier_points[0][1],
+            "replay_s": tier_timing.elapsed_s,
+            "ratio_to_bound": tier_timing.ratio_to_bound,
+        },
         "machine": f"{platform.machine()}, {multiprocessing.cpu_count()} cores, "
         f"Python {platform.python_version()}",
         "sweep": "full" if sweep == FULL else "quick" if sweep == QUICK else "custom",
@@ -236,6 +351,7 @@ PLOTS = (
     "load_imbalance.png",
     "cost_vs_retention.png",
     "offered_load.png",
+    "hit_ratio_vs_host.png",
 )
 
 
@@ -253,7 +369,7 @@ def _plots(results: list[dict[str, Any]], sweep: Sweep, meta: dict[str, Any], ou
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    base = {"retention": "none", "time_scale": 1.0, "seed": 0}
+    base = {"retention": "none", "time_scale": 1.0, "seed": 0, "host": 0.0, "disk": 0.0}
     hr, frac = sweep.headline_replicas, sweep.headline_fracs[0]
     styles = {line.label: ("--" if line.reference else "-") for line in LINES}
 
@@ -367,6 +483,31 @@ def _plots(results: list[dict[str, Any]], sweep: Sweep, meta: dict[str, Any], ou
     fig.savefig(out / PLOTS[4], dpi=110)
     plt.close(fig)
 
+    # Hit ratio against the host tier's size, one panel per device size.
+    hosts = [0.0, *sweep.host_fracs]
+    fig, axes = plt.subplots(
+        1, len(sweep.headline_fracs), figsize=(6 * len(sweep.headline_fracs), 4.5)
+    )
+    for ax, dev in zip(list(getattr(axes, "flat", [axes])), sweep.headline_fracs, strict=True):
+        for label in sweep.curve_lines:
+            ys = [100 * _at(results, label, hr, dev, host=h)["ratio_to_bound"] for h in hosts]
+            ax.plot(range(len(hosts)), ys, marker="o", ms=3, label=label)
+        for (d, h), goal in TIER_GOALS.items():
+            if d == dev and h in hosts:
+                ax.plot([hosts.index(h)], [100 * goal], "k*", ms=10, label="goal (shipped)")
+        ax.axhline(100, color="black", lw=1, ls=":", label="infinite-cache bound")
+        ax.set_xticks(range(len(hosts)), ["none", *[f"{100 * h:g}%" for h in hosts[1:]]])
+        ax.set_title(f"{hr} replicas, device {100 * dev:g}% each")
+        ax.set_xlabel("host tier per replica (% of distinct blocks)")
+        ax.set_ylabel("hit ratio / infinite-cache bound (%)")
+        ax.grid(alpha=0.3)
+    handles, labels = fig.axes[0].get_legend_handles_labels()
+    keep = dict(zip(labels, handles, strict=True))
+    fig.legend(list(keep.values()), list(keep), loc="lower center", ncol=4, fontsize=8)
+    fig.tight_layout(rect=(0, 0.14, 1, 1))
+    fig.savefig(out / PLOTS[5], dpi=110)
+    plt.close(fig)
+
 
 # ------------------------------------------------------------------- summary
 
@@ -384,7 +525,7 @@ def _sec(x: float | None) -> str:
 def _at(
     results: Sequence[dict[str, Any]], label: str, n: int, frac: float, **kw: Any
 ) -> dict[str, Any]:
-    match = {"retention": "none", "time_scale": 1.0, "seed": 0, **kw}
+    match = {"retention": "none", "time_scale": 1.0, "seed": 0, "host": 0.0, "disk": 0.0, **kw}
     rows = _pick(results, replicas=n, line=label, frac=frac, **match)
     if not rows:
         raise KeyError(f"no run for {label} at {n} replicas, {frac}")
@@ -394,6 +535,7 @@ def _at(
 def _summary(results: list[dict[str, Any]], sweep: Sweep, meta: dict[str, Any]) -> str:
     hr = sweep.headline_replicas
     cost = ReplicaCostModel()
+    block = cost.block_bytes(512)
     prices = PriceTable()
     t = meta["timing"]
     lines = [
@@ -441,6 +583,7 @@ def _summary(results: list[dict[str, Any]], sweep: Sweep, meta: dict[str, Any]) 
         "ties are sampled); TTFT, queueing, imbalance and every other table are seed 0.",
         "",
     ]
+    lines += _tier_summary(results, sweep, meta)
     prof = meta["profile"]
     lines += [
         "## Where the gap to the bound comes from",
@@ -539,6 +682,14 @@ def _summary(results: list[dict[str, Any]], sweep: Sweep, meta: dict[str, Any]) 
         f"{100 * cost.decode_bw_efficiency:g}% in decode, KV {cost.kv_bytes_per_token // 1024} KiB "
         f"a token; cold prefill of 8,192 tokens = {cost.prefill_s(8192, 0):.3f} s "
         f"({cost.prefill_tokens_per_s():,.0f} tokens/s). See docs/sim.md.",
+        f"- KV tiers: PCIe {cost.pcie_bytes_per_s / 1e9:g} GB/s per direction at "
+        f"{100 * cost.pcie_efficiency:g}% ({cost.host_promote_bytes_per_s / 1e9:.1f} GB/s host <-> "
+        f"device), NVMe {cost.disk_read_bytes_per_s / 1e9:g} / "
+        f"{cost.disk_write_bytes_per_s / 1e9:g} GB/s read / write at "
+        f"{100 * cost.disk_efficiency:g}%; a 512-token block ({block / 2**20:g} MiB) "
+        f"comes back from host memory in {1000 * cost.copy_s('host', 'device', block):.2f} ms "
+        f"and from disk in {1000 * cost.copy_s('disk', 'device', block):.1f} ms. "
+        "See docs/scaling.md.",
         f"- prices: ${prices.input_per_mtok:g} / ${prices.output_per_mtok:g} per million input / "
         f"output tokens; cache read {prices.cache_read_mult:g}x, 5m write "
         f"{prices.write_5m_mult:g}x, 1h write {prices.write_1h_mult:g}x.",
@@ -555,7 +706,156 @@ def _summary(results: list[dict[str, Any]], sweep: Sweep, meta: dict[str, Any]) 
         f"cachepoint sim report --trace {meta['trace']}"
         + ("" if meta["sweep"] == "full" else " --quick"),
         f"cachepoint sim --trace {meta['trace']} --replicas {hr} --capacity-frac {frac} --json",
+        *[
+            f"cachepoint sim --trace {meta['trace']} --replicas {hr} --capacity-frac {d:g} "
+            f"--host-frac {h:g} --json"
+            for d, h in sweep.tier_points
+        ],
         "```",
         "",
     ]
     return "\n".join(lines)
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:,.0f} GB"
+
+
+def _tier_summary(results: list[dict[str, Any]], sweep: Sweep, meta: dict[str, Any]) -> list[str]:
+    """The KV tiers section: goals, the routing x eviction x tier-size grid, the host curve."""
+    if not sweep.tier_points:
+        return []
+    hr = sweep.headline_replicas
+    lines = [
+        "## KV tiers (issue 16)",
+        "",
+        f"{hr} replicas, seed 0. Device and host capacities per replica as shares of the "
+        "distinct blocks; evicted device blocks are demoted to the host tier (its own LRU) "
+        "and promoted back over PCIe before the prefill that hits them, which waits for "
+        "the copy (TTFT includes it). docs/sim.md describes the model.",
+        "",
+        "| shipped: " + SHIPPED + " | ratio to bound | goal | met | TTFT p50 | p90 | p99 | "
+        "hits from host | promotion wait p50 / p90 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for dev, host in sweep.tier_points:
+        alone = _at(results, SHIPPED, hr, dev)
+        tiered = _at(results, SHIPPED, hr, dev, host=host)
+        goal = TIER_GOALS.get((dev, host))
+        met = ""
+        if goal is not None:
+            ok = tiered["ratio_to_bound"] >= goal
+            ok = ok and tiered["ttft_p50_s"] < alone["ttft_p50_s"]
+            ok = ok and tiered["ttft_p90_s"] < alone["ttft_p90_s"]
+            met = "**yes**" if ok else "**no**"
+        host_share = tiered["hit_ratio_by_tier"].get("host", 0.0) / (tiered["hit_ratio"] or 1)
+        goal_txt = "" if goal is None else f"≥{_pct(goal)}"
+        for name, r, g, m in (
+            (f"device {100 * dev:g}%", alone, "", ""),
+            (f"device {100 * dev:g}% + host {100 * host:g}%", tiered, goal_txt, met),
+        ):
+            wait = (
+                f"{1000 * r['promote_p50_s']:.1f} / {1000 * r['promote_p90_s']:.1f} ms"
+                if r.get("promote_p50_s") is not None
+                else ""
+            )
+            lines.append(
+                f"| {name} | {_pct(r['ratio_to_bound'])} | "
+                f"{g} | {m} | {_sec(r['ttft_p50_s'])} | "
+                f"{_sec(r['ttft_p90_s'])} | {_sec(r['ttft_p99_s'])} | "
+                f"{_pct(host_share) if r is tiered else ''} | {wait} |"
+            )
+    lines += [
+        "",
+        "Met = ratio to bound at least the goal, and TTFT p50 and p90 below device-only at the",
+        "same device size.",
+    ]
+    tt = meta.get("tier_timing")
+    if tt:
+        lines.append(
+            f"Replay of the first point with its host tier: **{tt['replay_s']:.1f} s** "
+            "(target: under 60 s; timed alone, before the sweep)."
+        )
+    lines += [
+        "",
+        "### Every routing x eviction, with and without the host tier",
+        "",
+        "| routing + eviction | "
+        + " | ".join(
+            f"{100 * d:g}% | {100 * d:g}% + {100 * h:g}% | TTFT p50 / p90, {100 * d:g}% | "
+            f"TTFT p50 / p90, + {100 * h:g}%"
+            for d, h in sweep.tier_points
+        )
+        + " |",
+        "|---|" + "---|---|---|---|" * len(sweep.tier_points),
+    ]
+    for label in grid_labels(sweep):
+        cells = []
+        for dev, host in sweep.tier_points:
+            a = _at(results, label, hr, dev)
+            t = _at(results, label, hr, dev, host=host)
+            cells += [
+                _pct(a["ratio_to_bound"]),
+                _pct(t["ratio_to_bound"]),
+                f"{_sec(a['ttft_p50_s'])} / {_sec(a['ttft_p90_s'])}",
+                f"{_sec(t['ttft_p50_s'])} / {_sec(t['ttft_p90_s'])}",
+            ]
+        name = f"**{label}** (shipped)" if label == SHIPPED else label
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    hosts = [0.0, *sweep.host_fracs]
+    lines += [
+        "",
+        "### Ratio to bound by host tier size (hit_ratio_vs_host.png)",
+        "",
+        "| routing + eviction | device | "
+        + " | ".join("none" if h == 0 else f"host {100 * h:g}%" for h in hosts)
+        + " |",
+        "|---|---|" + "---|" * len(hosts),
+    ]
+    for dev in sweep.headline_fracs:
+        for label in sweep.curve_lines:
+            cells = [_pct(_at(results, label, hr, dev, host=h)["ratio_to_bound"]) for h in hosts]
+            lines.append(f"| {label} | {100 * dev:g}% | " + " | ".join(cells) + " |")
+    if sweep.disk_points:
+        lines += [
+            "",
+            "### With a disk tier behind the host tier (shipped combination)",
+            "",
+            "| device + host + disk | ratio to bound | served from host / disk | TTFT p50 | p90 | "
+            "promotion wait p90 | NVMe busy |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for dev, host, disk in sweep.disk_points:
+            for d in (0.0, disk):
+                r = _at(results, SHIPPED, hr, dev, host=host, disk=d)
+                by = r["hit_ratio_by_tier"]
+                p90 = r.get("promote_p90_s")
+                wait = "" if p90 is None else f"{1000 * p90:.1f} ms"
+                lines.append(
+                    f"| {100 * dev:g}% + {100 * host:g}% + {100 * d:g}% | "
+                    f"{_pct(r['ratio_to_bound'])} | {_pct(by.get('host', 0.0))} / "
+                    f"{_pct(by.get('disk', 0.0))} of prefix blocks | {_sec(r['ttft_p50_s'])} | "
+                    f"{_sec(r['ttft_p90_s'])} | "
+                    f"{wait} | "
+                    f"{_pct(r['link_busy'].get('nvme', 0.0))} |"
+                )
+    lines += [
+        "",
+        "### Tier traffic, shipped combination (all replicas, whole replay)",
+        "",
+        "| device + host | host hits (blocks) | promoted | demoted into host | dropped from host | "
+        "PCIe busy h2d / d2h |",
+        "|---|---|---|---|---|---|",
+    ]
+    for dev, host in sweep.tier_points:
+        r = _at(results, SHIPPED, hr, dev, host=host)
+        t = r["tiers"].get("host", {})
+        busy = r["link_busy"]
+        lines.append(
+            f"| {100 * dev:g}% + {100 * host:g}% | {t.get('hits', 0):,} | "
+            f"{_gb(t.get('promoted_bytes', 0))} | {_gb(t.get('demoted_bytes', 0))} | "
+            f"{t.get('dropped', 0):,} blocks | {_pct(busy.get('h2d', 0.0))} / "
+            f"{_pct(busy.get('d2h', 0.0))} |"
+        )
+    lines.append("")
+    return lines

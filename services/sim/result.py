@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -77,6 +77,20 @@ class SimResult:
     prepare_s: float  # wall seconds spent loading and hashing the trace
     per_replica: tuple[ReplicaStats, ...]  # one entry per replica
     ttft_s: tuple[float, ...]  # every served request's TTFT, ascending (for CDF plots)
+    host_frac: float = 0.0  # host tier per replica, share of the distinct blocks (0: none)
+    disk_frac: float = 0.0  # disk tier per replica, likewise
+    host_slots: int = 0  # host tier slots per replica, in kvcore blocks
+    disk_slots: int = 0  # disk tier slots per replica
+    # share of all prefix blocks (as in hit_ratio) served from each tier; sums to hit_ratio
+    hit_ratio_by_tier: dict[str, float] = field(default_factory=dict)
+    # per lower tier, summed over replicas: kvcore's counters (hits, promotions, demotions,
+    # evictions, dropped, failed_copies) and the bytes promoted out of / demoted into it
+    tiers: dict[str, dict[str, int]] = field(default_factory=dict)
+    promoted_requests: int = 0  # requests that promoted at least one block
+    promote_p50_s: float = math.nan  # of those, seconds the prefill waited for promotions
+    promote_p90_s: float = math.nan  # 90th percentile
+    promote_max_s: float = math.nan  # the longest wait
+    link_busy: dict[str, float] = field(default_factory=dict)  # mean share of time busy, by link
 
     def to_json(self, *, full: bool = False) -> dict[str, Any]:
         """The flat JSON object; ``full`` adds the per-replica table and every TTFT."""

@@ -28,12 +28,13 @@ from cachepoint.kvcore import (
     ManualClock,
     entry_key,
 )
-from cachepoint.routing import NoReplicaError, RoutingPolicy, make_policy
+from cachepoint.routing import NoReplicaError, RoutingPolicy, make_policy, tier_value
 
 from .billing import PriceTable, Usage, usage_for
 from .bound import CacheBound, infinite_cache_bound
 from .content import PreparedRequest, TraceHasher
 from .cost import ReplicaCostModel
+from .links import LINKS
 from .oracle import NextUseTable, OracleEviction
 from .replica import Job, SimReplica, make_eviction
 from .result import SimResult, percentile
@@ -52,6 +53,8 @@ class SimConfig:
     replicas: int = 16  # replicas in the fleet
     capacity_frac: float = 0.01  # per replica, share of the trace's distinct blocks
     capacity_blocks: int | None = None  # per replica in kvcore blocks; overrides capacity_frac
+    host_frac: float = 0.0  # host tier per replica, share of the distinct blocks (0: none)
+    disk_frac: float = 0.0  # disk tier per replica, share of the distinct blocks (0: none)
     block_size: int | None = None  # kvcore tokens per block; None: the trace's block size
     policy: str = "cache_aware"  # routing policy name (cachepoint.routing.make_policy)
     policy_options: dict[str, Any] = field(default_factory=dict)  # its keyword arguments
@@ -74,6 +77,10 @@ class SimConfig:
             raise ValueError("capacity_frac must be positive")
         if self.capacity_blocks is not None and self.capacity_blocks <= 0:
             raise ValueError("capacity_blocks must be positive")
+        for name in ("host_frac", "disk_frac"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a non-negative share, got {value}")
         if self.retention not in RETENTION_MODES:
             raise ValueError(f"retention must be one of {', '.join(RETENTION_MODES)}")
         if not self.time_scale > 0:
@@ -108,7 +115,7 @@ class PreparedTrace:
 
 
 # Event kinds, ordered so that at equal times work finishes before new work starts.
-_DECODE_DONE, _PREFILL_DONE, _DELIVER = 0, 1, 2
+_COPIES_DONE, _DECODE_DONE, _PREFILL_DONE, _DELIVER = 0, 1, 2, 3
 
 
 class Simulator:
@@ -124,6 +131,8 @@ class Simulator:
         self.wire = wire  # None: events reach the router as the pool made them
         self.clock = ManualClock(0.0)
         self.capacity = config.capacity_blocks or prepared.capacity_blocks(config.capacity_frac)
+        self.host_slots = prepared.capacity_blocks(config.host_frac) if config.host_frac else 0
+        self.disk_slots = prepared.capacity_blocks(config.disk_frac) if config.disk_frac else 0
         eviction: EvictionPolicy
         if config.eviction == "oracle":
             table = NextUseTable.build(prepared.trace, prepared.requests, config.time_scale)
@@ -139,10 +148,26 @@ class Simulator:
                 retained_share=config.retained_share,
                 eviction=eviction,
                 max_waiting=config.max_waiting,
+                host_slots=self.host_slots,
+                disk_slots=self.disk_slots,
+                cost=config.cost,
             )
             for i in range(config.replicas)
         ]
         self.views = [r.view for r in self.replicas]
+        if self.host_slots or self.disk_slots:
+            # NOTE: what a gateway learns from each replica's heartbeat: a lower-tier
+            # hit is priced by its copy time against recompute, from the same cost
+            # model that times the copies and prefills here.
+            cost = config.cost
+            value = tier_value(
+                cost.kv_bytes_per_token,
+                cost.prefill_tokens_per_s(),
+                cost.host_promote_bytes_per_s,
+                cost.disk_promote_bytes_per_s,
+            )
+            for view in self.views:
+                view.tier_value = value
         self._by_name = {r.view.name: r for r in self.replicas}
         options = dict(config.policy_options)
         if config.policy != "round_robin":
@@ -158,6 +183,7 @@ class Simulator:
         self.rejected = 0
         self.hit_tokens = 0
         self.ttfts: list[float] = []
+        self.promote_waits: list[float] = []  # per request that promoted: seconds it waited
         self.waits: list[float] = []
         self.last_time = 0.0
 
@@ -190,7 +216,11 @@ class Simulator:
         at, kind, _, payload = heapq.heappop(self._heap)
         self.clock.now = max(self.clock.now, at)
         self.last_time = max(self.last_time, at)
-        if kind == _DECODE_DONE:
+        if kind == _COPIES_DONE:
+            replica = payload
+            if replica.settle(at):
+                self._drain(replica)
+        elif kind == _DECODE_DONE:
             replica, job = payload
             replica.finish(job)
             self._drain(replica)
@@ -232,6 +262,8 @@ class Simulator:
             read = self._lookup_entry(replica, job)
             started = replica.start(job, self.clock.now)
             self._drain(replica)
+            if replica.pending:
+                self._push(replica.pending[-1][0], _COPIES_DONE, replica)
             if started is None:
                 if replica.idle:
                     # NOTE: nothing running can free blocks for it: the request is
@@ -243,7 +275,13 @@ class Simulator:
             job.read_tokens = read
             now = self.clock.now
             self.waits.append(now - job.arrival)
-            duration = self.config.cost.prefill_s(job.input_length - started, started)
+            # NOTE: the prefill reads the promoted blocks, so it starts once they are
+            # on the device: promotion time is part of TTFT (docs/sim.md, "Tiers").
+            duration = job.promote_s + self.config.cost.prefill_s(
+                job.input_length - started, started
+            )
+            if job.promoted:
+                self.promote_waits.append(job.promote_s)
             replica.busy_s += duration
             replica.prefill_end = now + duration
             self._push(now + duration, _PREFILL_DONE, (replica, job))
@@ -389,7 +427,53 @@ class Simulator:
             prepare_s=prep.prepare_s,
             per_replica=tuple(stats),
             ttft_s=tuple(ttfts),
+            **self._tier_figures(),
         )
+
+    def _tier_figures(self) -> dict[str, Any]:
+        """The per-tier fields of `SimResult`."""
+        prep = self.prepared
+        blocks = prep.bound.blocks * (prep.trace.block_tokens // prep.block_size)
+        by_tier: dict[str, float] = {}
+        for replica in self.replicas:
+            for tier, n in replica.hit_blocks.items():
+                by_tier[str(tier)] = by_tier.get(str(tier), 0.0) + n
+        tiers: dict[str, dict[str, int]] = {}
+        for replica in self.replicas:
+            for st in replica.pool.tier_stats():
+                row = tiers.setdefault(str(st.tier), {"slots": st.slots})
+                for key in ("hits", "promotions", "demotions", "evictions", "dropped"):
+                    row[key] = row.get(key, 0) + getattr(st, key)
+                row["failed_copies"] = row.get("failed_copies", 0) + st.failed_copies
+        for replica in self.replicas:
+            links = replica.links
+            for name, row in tiers.items():
+                row["promoted_bytes"] = row.get("promoted_bytes", 0) + links.promoted_bytes.get(
+                    name, 0
+                )
+                row["demoted_bytes"] = row.get("demoted_bytes", 0) + links.demoted_bytes.get(
+                    name, 0
+                )
+        span = self.last_time or 1.0
+        busy = {
+            link: sum(r.links.busy_s[link] for r in self.replicas) / len(self.replicas) / span
+            for link in LINKS
+        }
+        waits = sorted(self.promote_waits)
+        cfg = self.config
+        return {
+            "host_frac": cfg.host_frac,
+            "disk_frac": cfg.disk_frac,
+            "host_slots": self.host_slots,
+            "disk_slots": self.disk_slots,
+            "hit_ratio_by_tier": {t: n / blocks if blocks else 0.0 for t, n in by_tier.items()},
+            "tiers": tiers,
+            "promoted_requests": len(waits),
+            "promote_p50_s": percentile(waits, 50),
+            "promote_p90_s": percentile(waits, 90),
+            "promote_max_s": waits[-1] if waits else math.nan,
+            "link_busy": busy,
+        }
 
 
 def run_simulation(

@@ -22,10 +22,11 @@ def test_event_batches_round_trip_through_msgpack():
     payload = encode_events("replica-3", 2, 17, 12.5, events)
     assert decode_events(payload) == events
     # five hashes (four in runs, one parent) at 16 bytes + a 2-byte bin header each,
-    # a few bytes of tag per event, and the batch's own fields
+    # a few bytes of tag per event, the tier's name on the three block events (at most
+    # 7 bytes: "device"), and the batch's own fields
     framing = len(encode_events("replica-3", 2, 17, 12.5, []))
     assert framing < 64
-    assert len(payload) <= framing + 5 * 18 + 4 * 12
+    assert len(payload) <= framing + 5 * 18 + 4 * 12 + 3 * 7
 
 
 def test_scaling_command_reports_measured_figures(trace_file: Path, capsys):
