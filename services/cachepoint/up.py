@@ -73,6 +73,11 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         "A smaller budget shortens the tiny model's context to what it holds",
     )
     up.add_argument(
+        "--kv-host-bytes",
+        help="a host-memory KV tier per replica behind its KV budget (e.g. 1GiB): blocks "
+        "evicted from the pool are kept there and promoted back on a hit (default: none)",
+    )
+    up.add_argument(
         "--state-dir",
         type=Path,
         default=Path(".cachepoint"),
@@ -138,6 +143,7 @@ def run_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         model_dir=args.model_dir,
         model=args.model,
         kv_budget=args.kv_budget,
+        kv_host_bytes=args.kv_host_bytes,
         tokenizer=args.tokenizer,
         random_turn_tokens=0 if (args.model or args.model_dir) else random_turn,
         min_cacheable_tokens=min_cacheable(args),

@@ -190,5 +190,5 @@ def test_up_port_in_use_is_a_clear_error(tmp_path):
 
 def test_up_help_documents_the_flags():
     out = subprocess.run([*CMD, "--help"], capture_output=True, text=True, check=True).stdout
-    for flag in ("--replicas", "--model-dir", "--port", "--demo"):
+    for flag in ("--replicas", "--model-dir", "--port", "--demo", "--kv-host-bytes"):
         assert flag in out
