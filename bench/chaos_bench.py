@@ -35,7 +35,6 @@ import contextlib
 import json
 import os
 import signal
-import sqlite3
 import statistics
 import sys
 import tempfile
@@ -63,6 +62,10 @@ from cachepoint.demo_session import (
 from cachepoint.events import schema
 from cachepoint.stack import Child, Stack, free_port
 from cachepoint.supervise import Backoff
+
+# NOTE: run as a script, bench/ is not on the path (PYTHONSAFEPATH); put it there.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from usage_ledger import usage_rows
 
 # Anthropic's error types (https://docs.anthropic.com/en/api/errors).
 ANTHROPIC_ERROR_TYPES = frozenset(
@@ -428,26 +431,7 @@ class Watch:
 # ------------------------------------------------------------------ the ledger
 
 
-def _ledger(db_url: str) -> list[dict[str, Any]]:
-    path = db_url.removeprefix("sqlite:///")
-    with contextlib.closing(sqlite3.connect(path)) as db:
-        db.row_factory = sqlite3.Row
-        rows = db.execute(
-            "SELECT request_id, replica, input_tokens, cache_read_input_tokens, "
-            "cache_write_5m_tokens, cache_write_1h_tokens, output_tokens FROM usage"
-        ).fetchall()
-    return [
-        {
-            "request_id": r["request_id"],
-            "replica": r["replica"],
-            "input": r["input_tokens"],
-            "cache_read": r["cache_read_input_tokens"],
-            "cache_write_5m": r["cache_write_5m_tokens"],
-            "cache_write_1h": r["cache_write_1h_tokens"],
-            "output": r["output_tokens"],
-        }
-        for r in rows
-    ]
+_ledger = usage_rows  # the ledger's rows (bench/usage_ledger.py)
 
 
 def _tracebacks(path: Path) -> int:

@@ -37,9 +37,7 @@ set is larger than the device pool. Figures: bench/RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import sqlite3
 import statistics
 import sys
 import tempfile
@@ -57,6 +55,10 @@ from cachepoint.gateway.db.session import make_engine, make_sessionmaker
 from cachepoint.gateway.tenants import create_key, create_org
 from cachepoint.scheduler.settings import parse_bytes
 from cachepoint.stack import Stack, StackError, free_port
+
+# NOTE: run as a script, bench/ is not on the path (PYTHONSAFEPATH); put it there.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from usage_ledger import usage_rows
 
 BUCKETS = ("input", "cache_read", "cache_write_5m", "cache_write_1h", "output")
 TOPICS = ["kettles", "bicycles", "tax forms", "greenhouses", "violins", "sailboats", "bonsai"]
@@ -306,25 +308,7 @@ def drive(
 # ------------------------------------------------------------------ the ledger
 
 
-def ledger_rows(db_url: str) -> list[dict[str, Any]]:
-    path = db_url.removeprefix("sqlite:///")
-    with contextlib.closing(sqlite3.connect(path)) as db:
-        db.row_factory = sqlite3.Row
-        rows = db.execute(
-            "SELECT request_id, input_tokens, cache_read_input_tokens, cache_write_5m_tokens, "
-            "cache_write_1h_tokens, output_tokens FROM usage"
-        ).fetchall()
-    return [
-        {
-            "request_id": r["request_id"],
-            "input": r["input_tokens"],
-            "cache_read": r["cache_read_input_tokens"],
-            "cache_write_5m": r["cache_write_5m_tokens"],
-            "cache_write_1h": r["cache_write_1h_tokens"],
-            "output": r["output_tokens"],
-        }
-        for r in rows
-    ]
+ledger_rows = usage_rows  # the ledger's rows (bench/usage_ledger.py)
 
 
 def audit(calls: list[Call], rows: list[dict[str, Any]]) -> dict[str, Any]:
