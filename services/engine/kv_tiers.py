@@ -68,10 +68,26 @@ def _remove(path: str) -> None:
         os.unlink(path)
 
 
-class HostTier:
+class _SlotTensor:
+    """What both tiers are: ``data``, one block per slot along dim 0."""
+
+    __slots__ = ("data",)
+
+    data: torch.Tensor
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.data.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+class HostTier(_SlotTensor):
     """``num_slots`` blocks in host memory (page-locked when the pool is on CUDA)."""
 
-    __slots__ = ("_pinned", "data")
+    __slots__ = ("_pinned",)
 
     def __init__(
         self, num_slots: int, block_shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool
@@ -93,14 +109,6 @@ class HostTier:
                 )
             self._pinned = True
 
-    @property
-    def num_slots(self) -> int:
-        return int(self.data.shape[0])
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
-
     def close(self) -> None:
         if self._pinned:
             _cudart().cudaHostUnregister(self.data.data_ptr())
@@ -108,14 +116,14 @@ class HostTier:
         self.data = torch.empty((0, *self.data.shape[1:]), dtype=self.data.dtype)
 
 
-class DiskTier:
+class DiskTier(_SlotTensor):
     """``num_slots`` blocks in a memory-mapped file under ``directory``.
 
     The file is created (and its blocks allocated) on construction and removed by
     :meth:`close`, or when the tier is garbage-collected or the process exits.
     """
 
-    __slots__ = ("__weakref__", "_finalizer", "data", "path")
+    __slots__ = ("__weakref__", "_finalizer", "path")
 
     def __init__(
         self,
@@ -166,14 +174,6 @@ class DiskTier:
             os.close(fd)
         flat = torch.from_file(name, shared=True, size=numel, dtype=dtype)
         self.data = flat.view(num_slots, *block_shape)
-
-    @property
-    def num_slots(self) -> int:
-        return int(self.data.shape[0])
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
 
     def close(self) -> None:
         """Unmap (once no other view is left) and remove the file."""

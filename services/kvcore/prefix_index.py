@@ -159,30 +159,29 @@ class PrefixIndex:
         self._device, self._host, self._disk = device, in_host, in_disk
         self._tiers = {Tier.DEVICE: device, Tier.HOST: in_host, Tier.DISK: in_disk}
 
+    def _device_run(self, block_hashes: Sequence[BlockHash]) -> int:
+        present = self._device
+        n = 0
+        for h in block_hashes:
+            if h not in present:
+                break
+            n += 1
+        return n
+
     def match(self, block_hashes: Sequence[BlockHash]) -> int:
         """Number of leading blocks of ``block_hashes`` the replica would hit, in any tier.
 
         That is the device run plus the lower-tier run right after it, as
         `match_tiers` counts them; on a device-only replica, the device run.
         """
-        present = self._device
-        n = 0
-        for h in block_hashes:
-            if h not in present:
-                break
-            n += 1
+        n = self._device_run(block_hashes)
         if not (self._host or self._disk) or n == len(block_hashes):
             return n
         return n + self._lower_run(block_hashes, n)[0]
 
     def match_tiers(self, block_hashes: Sequence[BlockHash]) -> TierMatch:
         """The leading blocks the replica would hit, counted per tier (see `TierMatch`)."""
-        present = self._device
-        n = 0
-        for h in block_hashes:
-            if h not in present:
-                break
-            n += 1
+        n = self._device_run(block_hashes)
         if not (self._host or self._disk) or n == len(block_hashes):
             return TierMatch(n) if n else NO_MATCH
         _, host, disk = self._lower_run(block_hashes, n)
