@@ -335,13 +335,18 @@ class Scheduler:
         host, disk = engine.host_kv_slots, engine.disk_kv_slots
         if not host:
             return None
-        opts = {
-            "retained_share": settings.retained_share,
-            "owner_share": settings.org_retained_share,
-            "clock": clock,
-        }
-        below = TierStore(Tier.DISK, disk, **opts) if disk else None  # type: ignore[arg-type]
-        return TierStore(Tier.HOST, host, lower=below, **opts)  # type: ignore[arg-type]
+
+        def store(tier: Tier, slots: int, lower: TierStore | None = None) -> TierStore:
+            return TierStore(
+                tier,
+                slots,
+                retained_share=settings.retained_share,
+                owner_share=settings.org_retained_share,
+                clock=clock,
+                lower=lower,
+            )
+
+        return store(Tier.HOST, host, store(Tier.DISK, disk) if disk else None)
 
     async def _copy(self, copies: list[BlockCopy]) -> bool:
         """Run queued tier copies on the engine thread, then publish or drop what they
