@@ -54,8 +54,8 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _fraction(text: str) -> float:
-    """A share: 0.01 or 1%."""
+def _share(text: str, *, zero_ok: bool) -> float:
+    """A share written 0.01 or 1%; within (0, 1], or [0, 1] with ``zero_ok``."""
     raw = text.strip()
     try:
         value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
@@ -63,23 +63,20 @@ def _fraction(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"expected a fraction like 0.01 or 1%, got {text!r}"
         ) from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be within (0, 1], got {text}")
+    if not (0 <= value <= 1 if zero_ok else 0 < value <= 1):
+        bounds = "[0, 1]" if zero_ok else "(0, 1]"
+        raise argparse.ArgumentTypeError(f"must be within {bounds}, got {text}")
     return value
+
+
+def _fraction(text: str) -> float:
+    """A share: 0.01 or 1%."""
+    return _share(text, zero_ok=False)
 
 
 def _tier_fraction(text: str) -> float:
     """A tier's share: like `_fraction`, but 0 (no such tier) is allowed."""
-    raw = text.strip()
-    try:
-        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a fraction like 0.04 or 4%, got {text!r}"
-        ) from None
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be within [0, 1], got {text}")
-    return value
+    return _share(text, zero_ok=True)
 
 
 def _add_trace_arg(p: argparse.ArgumentParser) -> None:
