@@ -130,6 +130,18 @@ class BatchingSpec(_Spec):
     max_waiting: int | None = Field(None, ge=0)
 
 
+class RolloutSpec(_Spec):
+    # Members down at once, counting those already not ready: bounds a roll and is the
+    # PodDisruptionBudget's maxUnavailable for voluntary disruptions (node drains).
+    max_unavailable: int = Field(1, ge=1, le=64)
+
+
+class DrainSpec(_Spec):
+    # How long a deleted member keeps serving its in-flight streams after it has told the
+    # gateway to stop routing to it; the pod's termination grace adds a margin to this.
+    grace_period_seconds: int = Field(300, ge=0, le=86400)
+
+
 class ReplicaSpec(_Spec):
     replicas: int = Field(1, ge=0, le=64)
     image: str = Field(min_length=1)
@@ -147,10 +159,20 @@ class ReplicaSpec(_Spec):
     tolerations: list[dict[str, Any]] = Field(default_factory=list)
     priority_class_name: str | None = None
     env: list[dict[str, Any]] = Field(default_factory=list)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    drain: DrainSpec = Field(default_factory=DrainSpec)
+
+    @property
+    def max_unavailable(self) -> int:
+        return self.rollout.max_unavailable
+
+    @property
+    def drain_grace_seconds(self) -> int:
+        return self.drain.grace_period_seconds
 
     def template_fields(self) -> dict[str, Any]:
         """Everything that shapes a member pod: all of the spec except the member count."""
-        fields = self.model_dump(by_alias=True, mode="json", exclude={"replicas"})
+        fields = self.model_dump(by_alias=True, mode="json", exclude={"replicas", "rollout"})
         # NOTE: an unset eviction is left out, so that adding the field did not change
         # the fingerprint (and roll every member pod) of a spec that does not use it.
         if fields["kv"].get("eviction") is None:
