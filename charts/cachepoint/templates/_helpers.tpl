@@ -76,12 +76,18 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{/*
 cachepoint.image: "<registry>/<repository>:<tag>" for one of Cachepoint's own images;
 the tag defaults to the chart's appVersion and the registry to global.imageRegistry.
+NOTE: a repository whose first path part is a registry host (it has a "." or ":", or is
+"localhost", as Docker reads a reference) is already fully qualified, e.g. skaffold's
+IMAGE_REPO under --default-repo: prefixing it again would name an image nobody pushed.
 Takes: dict "root" and "image" (a values block with repository and tag).
 */}}
 {{- define "cachepoint.image" -}}
 {{- $tag := .image.tag | default .root.Chart.AppVersion }}
-{{- with .root.Values.global.imageRegistry }}
-{{- printf "%s/%s:%s" (trimSuffix "/" .) $.image.repository $tag }}
+{{- $first := splitList "/" .image.repository | first }}
+{{- $qualified := and (contains "/" .image.repository) (or (contains "." $first) (contains ":" $first) (eq $first "localhost")) }}
+{{- $registry := trimSuffix "/" (.root.Values.global.imageRegistry | default "") }}
+{{- if and $registry (not $qualified) }}
+{{- printf "%s/%s:%s" $registry .image.repository $tag }}
 {{- else }}
 {{- printf "%s:%s" .image.repository $tag }}
 {{- end }}
@@ -157,9 +163,14 @@ Takes: the root context.
 {{/*
 cachepoint.keptSecret: one key of a chart Secret, generated once and then kept: the
 value already stored in the live Secret (so upgrades keep it), else a new random one.
-Takes: dict "root", "name" (the Secret) and "key".
+Fails with "instead" as the fix when secrets.generate is false: where lookup cannot see
+the cluster (Argo CD, helm template) a random value would change on every render.
+Takes: dict "root", "name" (the Secret), "key" and "instead" (what to set instead).
 */}}
 {{- define "cachepoint.keptSecret" -}}
+{{- if not .root.Values.secrets.generate }}
+{{- fail (printf "secrets.generate is false, so the chart makes no %s: %s" .key .instead) }}
+{{- end }}
 {{- $existing := lookup "v1" "Secret" .root.Release.Namespace .name }}
 {{- if and $existing $existing.data (hasKey $existing.data .key) }}
 {{- index $existing.data .key | b64dec }}
@@ -169,13 +180,25 @@ Takes: dict "root", "name" (the Secret) and "key".
 {{- end }}
 
 {{/*
+cachepoint.keepAnnotation: on a Secret the chart generates: `helm uninstall` leaves it,
+so a reinstall under the same release name reads the same values back (lookup) and
+matches what was already made with them (the database volume keeps its password).
+Takes: nothing.
+*/}}
+{{- define "cachepoint.keepAnnotation" -}}
+helm.sh/resource-policy: keep
+{{- end }}
+
+{{/*
 cachepoint.otlpEndpoint: the OTLP/gRPC endpoint components export traces to: the chart's
 collector when tracing.enabled, else tracing.otlpEndpoint (possibly empty: no tracing).
+NOTE: fully qualified, like cachepoint.natsUrl: the operator hands it to member pods,
+which run in their CacheReplica's namespace, where a short name resolves to nothing.
 Takes: the root context.
 */}}
 {{- define "cachepoint.otlpEndpoint" -}}
 {{- if .Values.tracing.enabled }}
-{{- printf "http://%s:4317" (include "cachepoint.componentName" (dict "root" . "component" "otel-collector")) }}
+{{- printf "http://%s.%s.svc.cluster.local:4317" (include "cachepoint.componentName" (dict "root" . "component" "otel-collector")) .Release.Namespace }}
 {{- else }}
 {{- .Values.tracing.otlpEndpoint }}
 {{- end }}
@@ -199,15 +222,25 @@ Takes: dict "root" and "component" (used as the service name suffix).
 
 {{/*
 cachepoint.databaseSecretName / cachepoint.databaseSecretKey: where the gateway reads its
-SQLAlchemy URL: postgresql.external.existingSecret when given, else the chart's Secret.
+SQLAlchemy URL: postgresql.external.existingSecret (external mode) or
+postgresql.existingSecret (builtin mode) when given, else the chart's Secret.
 Takes: the root context.
 */}}
 {{- define "cachepoint.databaseSecretName" -}}
 {{- if and (eq .Values.postgresql.mode "external") .Values.postgresql.external.existingSecret }}
 {{- .Values.postgresql.external.existingSecret }}
 {{- else }}
-{{- include "cachepoint.componentName" (dict "root" . "component" "gateway-db") }}
+{{- include "cachepoint.postgresqlSecretName" . }}
 {{- end }}
+{{- end }}
+
+{{/*
+cachepoint.postgresqlSecretName: the Secret with the builtin database's POSTGRES_PASSWORD
+(and DATABASE_URL): postgresql.existingSecret, else the chart's own.
+Takes: the root context.
+*/}}
+{{- define "cachepoint.postgresqlSecretName" -}}
+{{- .Values.postgresql.existingSecret | default (include "cachepoint.componentName" (dict "root" . "component" "gateway-db")) }}
 {{- end }}
 
 {{- define "cachepoint.databaseSecretKey" -}}
@@ -220,8 +253,8 @@ Takes: the root context.
 
 {{/*
 cachepoint.postgresqlPassword: the builtin database's password: postgresql.password, else
-the one already stored in the release's Secret (so upgrades keep it), else a new random one.
-Called once per render, from secret-gateway-db.yaml only, so both keys agree.
+one generated once and kept (cachepoint.keptSecret). Called once per render, from
+secret-gateway-db.yaml only, so both keys agree.
 Takes: the root context.
 */}}
 {{- define "cachepoint.postgresqlPassword" -}}
@@ -229,12 +262,7 @@ Takes: the root context.
 {{- .Values.postgresql.password }}
 {{- else }}
 {{- $name := include "cachepoint.componentName" (dict "root" . "component" "gateway-db") }}
-{{- $existing := lookup "v1" "Secret" .Release.Namespace $name }}
-{{- if and $existing (hasKey $existing.data "POSTGRES_PASSWORD") }}
-{{- index $existing.data "POSTGRES_PASSWORD" | b64dec }}
-{{- else }}
-{{- randAlphaNum 32 }}
-{{- end }}
+{{- include "cachepoint.keptSecret" (dict "root" . "name" $name "key" "POSTGRES_PASSWORD" "instead" "set postgresql.existingSecret (a Secret with keys POSTGRES_PASSWORD and DATABASE_URL) or postgresql.password") }}
 {{- end }}
 {{- end }}
 
@@ -274,13 +302,16 @@ Takes: dict "root" and "replica" (one entry of .Values.replicas).
 {{/*
 cachepoint.operatorRules: the operator's permissions, least privilege. It reads and
 watches CacheReplicas and patches them (finalizer, kopf's progress annotations) and
-their status; lists, creates and deletes member pods; reads, creates, patches and
-deletes the headless Service; posts Events; reads, creates, patches and deletes each
-CacheReplica's credentials Secret (no list or watch: it never reads other Secrets in
-bulk). Nothing cluster-wide beyond these
+their status; updates cachereplicas/finalizers (where OwnerReferencesPermissionEnforcement
+is on, e.g. OpenShift, blockOwnerDeletion in its children's owner references needs it);
+lists and watches member pods (its pod index), creates and deletes them; reads, creates,
+patches and deletes the headless Service and the PodDisruptionBudget; posts Events;
+reads, creates, patches and deletes each CacheReplica's credentials Secret (no list or
+watch: it never reads other Secrets in bulk). Nothing cluster-wide beyond these
 resources: kopf's CRD and namespace scanning is disabled (operator/handlers.py).
-Shared by the ClusterRole (all namespaces) and the per-namespace Roles.
-Takes: nothing.
+Shared by the ClusterRole (all namespaces) and the per-namespace Roles; with several
+operator pods also kopf's peering rules (cachepoint.operatorPeeringRules).
+Takes: the root context.
 */}}
 {{- define "cachepoint.operatorRules" -}}
 - apiGroups: [cachepoint.dev]
@@ -289,11 +320,17 @@ Takes: nothing.
 - apiGroups: [cachepoint.dev]
   resources: [cachereplicas/status]
   verbs: [get, patch]
+- apiGroups: [cachepoint.dev]
+  resources: [cachereplicas/finalizers]
+  verbs: [update]
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list, create, delete]
+  verbs: [list, watch, create, delete]
 - apiGroups: [""]
   resources: [services]
+  verbs: [get, create, patch, delete]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
   verbs: [get, create, patch, delete]
 - apiGroups: [""]
   resources: [events]
@@ -301,6 +338,34 @@ Takes: nothing.
 - apiGroups: [""]
   resources: [secrets]
   verbs: [get, create, patch, delete]
+{{- with include "cachepoint.operatorPeeringRules" . }}
+{{ . }}
+{{- end }}
+{{- end }}
+
+{{/*
+cachepoint.operatorPeeringName: the kopf peering object the operator pods share
+(<fullname>-operator), or nothing when one standalone pod runs (operator.replicas 1).
+Takes: the root context.
+*/}}
+{{- define "cachepoint.operatorPeeringName" -}}
+{{- if gt (int .Values.operator.replicas) 1 }}
+{{- include "cachepoint.componentName" (dict "root" . "component" "operator") }}
+{{- end }}
+{{- end }}
+
+{{/*
+cachepoint.operatorPeeringRules: what kopf's peering needs (kopf's docs/deployment-rbac.yaml):
+get, list, watch and patch on ClusterKopfPeerings when the operator watches every
+namespace, on KopfPeerings in each watched namespace otherwise. Nothing without peering.
+Takes: the root context.
+*/}}
+{{- define "cachepoint.operatorPeeringRules" -}}
+{{- if include "cachepoint.operatorPeeringName" . -}}
+- apiGroups: [kopf.dev]
+  resources: [{{ ternary "kopfpeerings" "clusterkopfpeerings" (not (empty .Values.operator.watchNamespaces)) }}]
+  verbs: [get, list, watch, patch]
+{{- end }}
 {{- end }}
 
 {{/*
