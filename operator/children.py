@@ -1,4 +1,5 @@
-"""Apply the builders' output to the cluster: the CacheReplica's Service and member pods.
+"""Apply the builders' output to the cluster: the CacheReplica's Service, its
+PodDisruptionBudget and its member pods.
 
 Each function reads what exists, compares it with what the builders want and sends
 only the difference, so running it twice changes nothing the second time.
@@ -12,6 +13,7 @@ import kopf
 
 from . import kube
 from .config import OperatorConfig
+from .disruption import build_replica_pdb, pdb_drift, pdb_name
 from .members import Plan, observe, plan
 from .naming import selector_string, service_name
 from .pod import build_replica_pod, template_hash
@@ -46,6 +48,25 @@ def ensure_service(owner: kopf.Body, replica: str, namespace: str, spec: Replica
     return None
 
 
+def ensure_pdb(owner: kopf.Body, replica: str, namespace: str, spec: ReplicaSpec) -> str | None:
+    """Create the PodDisruptionBudget or bring its spec back; what was done, if anything."""
+    desired = build_replica_pdb(replica=replica, namespace=namespace, spec=spec)
+    kopf.adopt(desired, owner=owner)
+    name = pdb_name(replica)
+    current = kube.get_pdb(namespace, name)
+    if current is None:
+        return "created" if kube.create_pdb(desired) else None
+    if not kube.owned_by(current, owner.metadata.uid or ""):
+        raise ForeignChild(
+            f"PodDisruptionBudget {name} already exists and is not this CacheReplica's"
+        )
+    ops = pdb_drift(current, desired)
+    if ops:
+        kube.patch_pdb(namespace, name, ops)
+        return "updated"
+    return None
+
+
 def converge_members(
     owner: kopf.Body,
     replica: str,
@@ -55,11 +76,19 @@ def converge_members(
     config: OperatorConfig,
     *,
     roll: bool,
+    pods: list[dict[str, Any]] | None = None,
 ) -> Plan:
-    """One step towards `spec.replicas` members on the current template; the plan taken."""
+    """One step towards `spec.replicas` members on the current template; the plan taken.
+
+    `pods`: this object's member pods as already known (the timer's index); None lists
+    them. NOTE: the roll lists, since its budget counts on seeing its own last deletes.
+    """
     wanted = template_hash(spec, config)
-    pods = owned_pods(namespace, replica, uid)
-    step = plan(spec.replicas, wanted, observe(pods), roll=roll)
+    if pods is None:
+        pods = owned_pods(namespace, replica, uid)
+    step = plan(
+        spec.replicas, wanted, observe(pods), roll=roll, max_unavailable=spec.max_unavailable
+    )
     for name in step.delete:
         kube.delete_pod(namespace, name)
     for index in step.create:
@@ -72,7 +101,8 @@ def converge_members(
 
 
 def remove_children(namespace: str, replica: str, uid: str) -> int:
-    """Delete the member pods and the Service this object owns; how many objects went."""
+    """Delete the member pods, the Service and the PodDisruptionBudget this object owns;
+    how many objects went."""
     removed = sum(
         kube.delete_pod(namespace, pod["metadata"]["name"])
         for pod in owned_pods(namespace, replica, uid)
@@ -80,4 +110,8 @@ def remove_children(namespace: str, replica: str, uid: str) -> int:
     service = kube.get_service(namespace, service_name(replica))
     if service is not None and kube.owned_by(service, uid):
         removed += kube.delete_service(namespace, service_name(replica))
+    # After the pods: a budget without members protects nothing, and none is left to evict.
+    budget = kube.get_pdb(namespace, pdb_name(replica))
+    if budget is not None and kube.owned_by(budget, uid):
+        removed += kube.delete_pdb(namespace, pdb_name(replica))
     return removed

@@ -47,14 +47,14 @@ class OperatorConfig(BaseModel):
         }
         return cls.model_validate(values)
 
-    def pod_fingerprint(self) -> dict[str, str | None]:
-        """The settings that end up inside member pods: a change must roll them."""
+    def token_digest(self) -> str | None:
+        """A fingerprint of the internal token, for the pod template hash (pod.py).
+
+        The pods hold the token by reference only, so a new one shows in no pod; yet it
+        must reach every member (they read it at start): its digest rolls them.
+        """
         token = self.internal_token
-        # A new token must reach every member: fingerprint it without writing it out.
-        digest = (
-            hashlib.sha256(token.get_secret_value().encode()).hexdigest()[:12] if token else None
-        )
-        return {"nats_url": self.nats_url, "otlp_endpoint": self.otlp_endpoint, "token": digest}
+        return hashlib.sha256(token.get_secret_value().encode()).hexdigest()[:12] if token else None
 
     @property
     def maintains_nats_users(self) -> bool:

@@ -1,14 +1,20 @@
 """kopf handlers for CacheReplica: thin glue between events and the pure builders.
 
 - create / update / resume: check the spec, then the credentials Secret and this
-  CacheReplica's users in the NATS users include, then converge the Service and
-  members (rolling one member at a time); TemporaryError until the roll settles.
-- a timer: re-assert the credentials and NATS users, heal missing members, poll every
-  member's /v1/stats (with the internal token), write status.
+  CacheReplica's users in the NATS users include, then converge the Service, the
+  PodDisruptionBudget and the members (rolling within spec.rollout.maxUnavailable);
+  TemporaryError until the roll settles.
+- an index of member pods (one watch stream for all of them), so the timer lists none.
+- a timer: re-assert the credentials and NATS users, heal missing and Failed members,
+  poll every member's /v1/stats (with the internal token), write status when it changed.
 - delete: remove the children and the credentials, drop the NATS users, then kopf
   releases the finalizer.
 - one pruner per operator (startup to cleanup): drops the NATS users of every
   CacheReplica that is gone or being deleted, whatever wrote them back.
+
+A child create the API refuses (403, 422, ...) is kept in the object's memo and shown
+as Degraded=CreateFailed with the API's message, until a later create of that kind
+succeeds.
 """
 
 from __future__ import annotations
@@ -24,13 +30,22 @@ from kubernetes.client.exceptions import ApiException
 
 from . import children, credentials, kube, stats
 from .config import OperatorConfig
-from .naming import FINALIZER, GROUP, PLURAL, VERSION
+from .members import Plan
+from .naming import FINALIZER, GROUP, LABEL_REPLICA, PLURAL, VERSION, common_labels
 from .pod import template_hash
 from .spec import SpecError, check
-from .status import build_invalid_status, build_status
+from .status import build_invalid_status, build_status, set_condition
 
 CONFIG = OperatorConfig.from_env()
 RESOURCE = (GROUP, VERSION, PLURAL)
+MANAGED_BY = "app.kubernetes.io/managed-by"
+# What every member pod carries (naming.common_labels): the pod index and its watch
+# stream see only those.
+MEMBER_LABELS: dict[str, Any] = {
+    MANAGED_BY: common_labels("x")[MANAGED_BY],
+    LABEL_REPLICA: kopf.PRESENT,
+}
+PodIndex = kopf.Index[tuple[str, str], dict[str, Any]]
 
 
 def _now() -> str:
@@ -52,6 +67,32 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # The CRD is installed before the operator (chart crds/), and namespaces are named
     # exactly, so no cluster-wide watch on CRDs or namespaces is needed (nor granted).
     settings.scanning.disabled = True
+    # Only our member pods travel on the pods watch stream, not every pod in the cluster.
+    settings.watching.label_selectors["v1", "pods"] = f"{MANAGED_BY}={MEMBER_LABELS[MANAGED_BY]}"
+
+
+@kopf.index("v1", "pods", labels=MEMBER_LABELS)
+def member_pods(
+    namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any
+) -> dict[tuple[str, str], dict[str, Any]]:
+    """Member pods by (namespace, CacheReplica name), kept current by one watch stream."""
+    return {(namespace, labels[LABEL_REPLICA]): dict(body)}
+
+
+def _indexed_pods(index: PodIndex, namespace: str, name: str, uid: str) -> list[dict[str, Any]]:
+    """This CacheReplica object's member pods (not an older one's of the same name)."""
+    return [p for p in index.get((namespace, name), []) if kube.owned_by(p, uid)]
+
+
+def _create_failures(memo: kopf.Memo) -> dict[str, str]:
+    failures: dict[str, str] = memo.setdefault("create_failures", {})
+    return failures
+
+
+def _report_finished(body: kopf.Body, step: Plan, logger: kopf.Logger) -> None:
+    for why in step.failed:
+        logger.warning(f"replacing member {why}")
+        kopf.warn(body, reason="MemberFailed", message=f"replacing {why}")
 
 
 @kopf.on.login()
@@ -72,6 +113,7 @@ def reconcile(
     meta: kopf.Meta,
     patch: kopf.Patch,
     logger: kopf.Logger,
+    memo: kopf.Memo,
     **_: Any,
 ) -> None:
     patch.status["observedGeneration"] = meta.get("generation")
@@ -88,15 +130,31 @@ def reconcile(
         if credentials.sync_nats_users(CONFIG, namespace, name, passwords):
             logger.info("NATS users updated")
         service = children.ensure_service(body, name, namespace, replica)
+        budget = children.ensure_pdb(body, name, namespace, replica)
         step = children.converge_members(body, name, namespace, uid, replica, CONFIG, roll=True)
+    except kube.CreateRejected as e:
+        _create_failures(memo)[e.kind] = e.message
+        conditions = list(status.get("conditions") or [])
+        patch.status["phase"] = "Degraded"
+        patch.status["conditions"] = set_condition(
+            conditions, "Degraded", True, "CreateFailed", e.message, _now()
+        )
+        kopf.warn(body, reason="CreateFailed", message=e.message)
+        # NOTE: the same answer comes back until RBAC, a quota or a policy changes; the
+        # timer keeps trying the members meanwhile, this tries everything now and then.
+        raise kopf.TemporaryError(e.message, delay=max(60.0, CONFIG.retry_delay)) from e
     except ApiException as e:
         raise _api_error(e) from e
     except (children.ForeignChild, credentials.ForeignSecret) as e:
         # Not ours to fix: say so once per attempt, and look again now and then.
         kopf.warn(body, reason="NameConflict", message=str(e))
         raise kopf.TemporaryError(str(e), delay=max(60.0, CONFIG.retry_delay)) from e
+    _create_failures(memo).clear()
+    _report_finished(body, step, logger)
     if service:
         logger.info(f"Service {service}")
+    if budget:
+        logger.info(f"PodDisruptionBudget {budget}")
     if step.create or step.delete:
         logger.info(f"members: created {step.create}, deleted {step.delete}")
     if not step.settled:
@@ -145,6 +203,11 @@ async def stop_pruner(memo: kopf.Memo, **_: Any) -> None:
             await task
 
 
+def _changed(current: kopf.Status, new: dict[str, Any]) -> bool:
+    """Whether writing `new` would change status (fields it does not set are kept)."""
+    return any(current.get(key) != value for key, value in new.items())
+
+
 @kopf.timer(*RESOURCE, interval=CONFIG.stats_interval)
 async def refresh_status(
     body: kopf.Body,
@@ -156,18 +219,28 @@ async def refresh_status(
     meta: kopf.Meta,
     patch: kopf.Patch,
     logger: kopf.Logger,
+    memo: kopf.Memo,
+    member_pods: PodIndex,
     **_: Any,
 ) -> None:
     try:
         replica = check(name, spec)
     except SpecError as e:
-        patch.status.update(build_invalid_status(e.problems, dict(status), _now()))
+        invalid = build_invalid_status(e.problems, dict(status), _now())
+        if _changed(status, invalid):
+            patch.status.update(invalid)
         return
+    # NOTE: from the index, not a LIST: with hundreds of CacheReplicas, two lists per
+    # tick each were most of the operator's API load. The index may lag our own last
+    # write by one event; this path only heals (creates missing, deletes finished and
+    # excess members), and the plan is idempotent against a stale view.
+    pods = _indexed_pods(member_pods, namespace, name, uid)
+    failures = _create_failures(memo)
     try:
         # Bare pods have no controller but us: put back members that vanished (eviction,
-        # node loss, kubectl delete). Creating and rolling stay with the handlers, so
-        # only once they have seen the object (observedGeneration is theirs to write),
-        # and never while it is being deleted.
+        # node loss, kubectl delete) or failed. Creating and rolling stay with the
+        # handlers, so only once they have seen the object (observedGeneration is theirs
+        # to write), and never while it is being deleted.
         handled = status.get("observedGeneration") is not None
         if handled and not meta.get("deletionTimestamp"):
             # Level-based: the users include is re-asserted on every tick, so a users
@@ -175,6 +248,7 @@ async def refresh_status(
             passwords = await asyncio.to_thread(
                 credentials.ensure_credentials, body, name, namespace, replica.replicas, CONFIG
             )
+            failures.pop("Secret", None)
             # NOTE: `meta` is from when this tick began; the object may have been deleted
             # since, and writing its users now would undo the delete handler's removal.
             # Ask again right before writing (the pruner catches what still slips by).
@@ -182,7 +256,7 @@ async def refresh_status(
                 await asyncio.to_thread(
                     credentials.sync_nats_users, CONFIG, namespace, name, passwords
                 )
-                await asyncio.to_thread(
+                step = await asyncio.to_thread(
                     children.converge_members,
                     body,
                     name,
@@ -191,10 +265,15 @@ async def refresh_status(
                     replica,
                     CONFIG,
                     roll=False,
+                    pods=pods,
                 )
-        pods = await asyncio.to_thread(children.owned_pods, namespace, name, uid)
+                failures.pop("Pod", None)
+                _report_finished(body, step, logger)
+    except kube.CreateRejected as e:
+        failures[e.kind] = e.message
+        logger.warning(e.message)
     except ApiException as e:
-        logger.warning(f"cannot list members: {e.status} {e.reason}")
+        logger.warning(f"cannot converge members: {e.status} {e.reason}")
         return
     except credentials.ForeignSecret as e:
         logger.warning(str(e))
@@ -214,8 +293,12 @@ async def refresh_status(
         stats=polled,
         previous=dict(status),
         now=_now(),
+        create_failures=sorted(failures.values()),
     )
-    patch.status.update(new_status)
+    # Only on change: an unchanged status written every tick was the other half of the
+    # load (one PATCH per CacheReplica per interval, and a watch event back for each).
+    if _changed(status, new_status):
+        patch.status.update(new_status)
     for restart in restarts:
         message = (
             f"member {restart.member} restarted (epoch {restart.old_epoch} -> "

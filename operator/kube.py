@@ -111,10 +111,47 @@ def _call(expected: int, method: Callable[..., Any], *args: Any, **kwargs: Any) 
         raise
 
 
+class CreateRejected(ApiException):
+    """The API refused to create a child (403 forbidden, 422 invalid, ...): a retry gets
+    the same answer until someone changes RBAC, a quota or an admission policy.
+
+    An ApiException still, so callers that only know those keep working; `message` is
+    the API's own explanation (the Status object's `message`).
+    """
+
+    def __init__(self, kind: str, name: str, error: ApiException) -> None:
+        super().__init__(status=error.status, reason=error.reason)
+        self.body, self.headers = error.body, error.headers
+        self.kind, self.name = kind, name
+        self.message = f"create {kind} {name}: {error.status} {_status_message(error)}"
+
+
+def _status_message(error: ApiException) -> str:
+    body = error.body
+    try:
+        data = json.loads(body) if body else {}
+    except (TypeError, ValueError):
+        data = {}
+    if isinstance(data, dict) and data.get("message"):
+        return str(data["message"])
+    return str(error.reason or "")
+
+
+def _create(kind: str, method: Callable[..., Any], obj: dict[str, Any]) -> bool:
+    """Create; False when one of that name already exists (another pass got there)."""
+    ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+    try:
+        return _call(409, method, ns, obj) is not None
+    except ApiException as e:
+        # NOTE: 429 (throttled) is the API asking to come back later, not a refusal.
+        if e.status is not None and 400 <= e.status < 500 and e.status != 429:
+            raise CreateRejected(kind, name, e) from e
+        raise
+
+
 def create_pod(pod: dict[str, Any]) -> bool:
     """Create; False when a pod of that name already exists (another pass got there)."""
-    ns = pod["metadata"]["namespace"]
-    return _call(409, _core().create_namespaced_pod, ns, pod) is not None
+    return _create("Pod", _core().create_namespaced_pod, pod)
 
 
 def delete_pod(namespace: str, name: str) -> bool:
@@ -128,8 +165,7 @@ def get_service(namespace: str, name: str) -> dict[str, Any] | None:
 
 
 def create_service(service: dict[str, Any]) -> bool:
-    ns = service["metadata"]["namespace"]
-    return _call(409, _core().create_namespaced_service, ns, service) is not None
+    return _create("Service", _core().create_namespaced_service, service)
 
 
 def patch_service(namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
@@ -153,8 +189,7 @@ def get_secret(namespace: str, name: str) -> dict[str, Any] | None:
 
 
 def create_secret(secret: dict[str, Any]) -> bool:
-    ns = secret["metadata"]["namespace"]
-    return _call(409, _core().create_namespaced_secret, ns, secret) is not None
+    return _create("Secret", _core().create_namespaced_secret, secret)
 
 
 def patch_secret(namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
@@ -172,3 +207,32 @@ def patch_secret(namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
 
 def delete_secret(namespace: str, name: str) -> bool:
     return _call(404, _core().delete_namespaced_secret, name, namespace) is not None
+
+
+def _policy() -> kubernetes.client.PolicyV1Api:
+    return kubernetes.client.PolicyV1Api(kubernetes.client.ApiClient())
+
+
+def get_pdb(namespace: str, name: str) -> dict[str, Any] | None:
+    response = _call(404, _policy().read_namespaced_pod_disruption_budget, name, namespace)
+    return None if response is None else _json(response)
+
+
+def create_pdb(pdb: dict[str, Any]) -> bool:
+    return _create("PodDisruptionBudget", _policy().create_namespaced_pod_disruption_budget, pdb)
+
+
+def patch_pdb(namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
+    _policy().patch_namespaced_pod_disruption_budget(
+        name,
+        namespace,
+        ops,
+        _content_type=JSON_PATCH,
+        _preload_content=False,
+        _request_timeout=TIMEOUT,
+    )
+
+
+def delete_pdb(namespace: str, name: str) -> bool:
+    method = _policy().delete_namespaced_pod_disruption_budget
+    return _call(404, method, name, namespace) is not None

@@ -7,6 +7,7 @@ cachepoint-operator --all-namespaces --liveness http://0.0.0.0:8080/healthz
 from __future__ import annotations
 
 import argparse
+import secrets
 import sys
 from dataclasses import dataclass, field
 
@@ -19,6 +20,7 @@ class RunOptions:
     clusterwide: bool = False
     standalone: bool = True
     peering_name: str | None = None
+    priority: int = 0
     liveness_endpoint: str | None = None
     verbose: bool = False
     debug: bool = False
@@ -51,6 +53,13 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
         "(needs kopf's peering CRDs); by default one instance runs standalone",
     )
     parser.add_argument(
+        "--priority",
+        type=int,
+        metavar="N",
+        help="this instance's peering priority: the highest one works, the others stand by "
+        "(default with --peering: random in 1..32767, so that two replicas never tie)",
+    )
+    parser.add_argument(
         "-L",
         "--liveness",
         metavar="URL",
@@ -66,11 +75,20 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
         help="log line format (json for log collectors)",
     )
     args = parser.parse_args(argv)
+    if args.priority is not None and args.peering is None:
+        parser.error("--priority needs --peering")
+    priority = args.priority
+    if priority is None:
+        # NOTE: kopf pauses every instance whose priority ties the highest one, so two
+        # replicas with the same default would both stand by forever (kopf's docs
+        # suggest --priority=$RANDOM for the same reason).
+        priority = 1 + secrets.randbelow(32767) if args.peering is not None else 0
     return RunOptions(
         namespaces=list(args.namespaces or []),
         clusterwide=args.all_namespaces,
         standalone=args.peering is None,
         peering_name=args.peering,
+        priority=priority,
         liveness_endpoint=args.liveness,
         verbose=args.verbose,
         debug=args.debug,
@@ -95,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         namespaces=options.namespaces,
         standalone=options.standalone,
         peering_name=options.peering_name,
+        priority=options.priority,
         liveness_endpoint=options.liveness_endpoint,
     )
     return 0

@@ -25,17 +25,50 @@ from .naming import (
     service_name,
 )
 from .sizes import add_quantity, format_quantity, parse_quantity
-from .spec import STORAGE, ReplicaSpec
+from .spec import REPLICA_GID, STORAGE, ReplicaSpec
 
 GPU_RESOURCE = "nvidia.com/gpu"
 ENV_PREFIX = "CACHEPOINT_REPLICA_"
 DISK_VOLUME = "kv-disk"
+MODEL_VOLUME = "model"
+FETCH_CONTAINER = "fetch-weights"
 MIB = 2**20
+# NOTE: kubelet counts terminationGracePeriodSeconds from the start of preStop, and the
+# drain hook may use all of drain.gracePeriodSeconds: this is what is left after it for
+# SIGTERM (uvicorn's shutdown, the NATS flush, the TP ranks exiting) before SIGKILL.
+SHUTDOWN_MARGIN_SECONDS = 30
+# The identity the template is rendered for when hashing it: a fixed one, so that the
+# hash depends on the spec and the operator alone (every member, and every caller that
+# has no pod name, gets the same one).
+_TEMPLATE_REPLICA = _TEMPLATE_NAMESPACE = "template"
 
 
 def template_hash(spec: ReplicaSpec, config: OperatorConfig) -> str:
-    """Fingerprint of everything that shapes a member pod; a change means a roll."""
-    payload = {"spec": spec.template_fields(), "operator": config.pod_fingerprint()}
+    """Fingerprint of the member pod the builders render now; a change means a roll.
+
+    NOTE: the rendered pod, not the spec, so that any change to what the builders make
+    of a spec (a new probe, hook or env var in a new operator version) rolls the
+    members. Upgrading the operator therefore rolls them once whenever it renders
+    different pods. The per-member identity (name, hostname, member label and the
+    names in env) comes from a fixed placeholder member, so all members share the hash.
+    """
+    pod = _render_pod(
+        replica=_TEMPLATE_REPLICA, namespace=_TEMPLATE_NAMESPACE, index=0, spec=spec, config=config
+    )
+    return hash_pod_template(pod, config)
+
+
+def hash_pod_template(pod: dict[str, Any], config: OperatorConfig) -> str:
+    """The hash of a rendered pod, leaving out what differs between members."""
+    template = json.loads(json.dumps(pod))  # a deep copy we may strip
+    metadata = template.get("metadata", {})
+    metadata.pop("name", None)
+    metadata.get("annotations", {}).pop(ANNOTATION_TEMPLATE_HASH, None)
+    metadata.get("labels", {}).pop(LABEL_MEMBER, None)
+    template.get("spec", {}).pop("hostname", None)
+    # NOTE: the pod holds the internal token only by reference (a secretKeyRef, read at
+    # container start), so a new token is invisible in it: its digest is hashed along.
+    payload = {"pod": template, "token": config.token_digest()}
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -183,21 +216,113 @@ def build_resources(spec: ReplicaSpec) -> dict[str, dict[str, int | str]]:
 
 
 def build_model_volume(spec: ReplicaSpec) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """(volume, volumeMount) for the weights, or None when the spec names no source."""
+    """(volume, volumeMount) for the weights, or None when the spec names no source.
+
+    The replica always mounts them read-only; a Hugging Face download writes them
+    first, from the init container (build_fetch_container).
+    """
     model = spec.model
-    mount: dict[str, Any] = {"name": "model", "mountPath": model.model_dir, "readOnly": True}
+    mount: dict[str, Any] = {"name": MODEL_VOLUME, "mountPath": model.model_dir, "readOnly": True}
     if model.pvc is not None:
         volume = {
-            "name": "model",
+            "name": MODEL_VOLUME,
             "persistentVolumeClaim": {"claimName": model.pvc.claim_name, "readOnly": True},
         }
         if model.pvc.sub_path:
             mount["subPath"] = model.pvc.sub_path
         return volume, mount
     if model.host_path is not None:
-        volume = {"name": "model", "hostPath": {"path": model.host_path.path, "type": "Directory"}}
+        volume = {
+            "name": MODEL_VOLUME,
+            "hostPath": {"path": model.host_path.path, "type": "Directory"},
+        }
+        return volume, mount
+    if model.hugging_face is not None:
+        storage = model.hugging_face.storage
+        if storage.ephemeral is not None:
+            claim: dict[str, Any] = {
+                # NOTE: a claim per member: block storage (EBS gp3, PD, Azure Disk) is
+                # ReadWriteOnce, so members on different nodes cannot share one.
+                "accessModes": ["ReadWriteOnce"],
+                "resources": {
+                    "requests": {"storage": format_quantity(parse_quantity(storage.ephemeral.size))}
+                },
+            }
+            if storage.ephemeral.storage_class_name:
+                claim["storageClassName"] = storage.ephemeral.storage_class_name
+            volume = {
+                "name": MODEL_VOLUME,
+                "ephemeral": {
+                    "volumeClaimTemplate": {
+                        "metadata": {"labels": {"cachepoint.dev/volume": MODEL_VOLUME}},
+                        "spec": claim,
+                    }
+                },
+            }
+        else:
+            volume = {
+                "name": MODEL_VOLUME,
+                "persistentVolumeClaim": {"claimName": storage.claim_name},
+            }
         return volume, mount
     return None
+
+
+# Where the Hub is and how to reach it (a mirror, a proxy): taken from the user's env.
+_FETCH_ENV = ("HF_ENDPOINT", "HTTPS_PROXY", "HTTP_PROXY", "NO_PROXY")
+
+
+def build_fetch_container(spec: ReplicaSpec) -> dict[str, Any] | None:
+    """The init container that downloads Hugging Face weights into the model volume.
+
+    Idempotent (cachepoint.scheduler.weights_fetch keeps a completion marker), so a
+    restarted pod, or a member on a claim another one already filled, starts at once.
+    """
+    source = spec.model.hugging_face
+    if source is None:
+        return None
+    dest = spec.model.model_dir
+    env: list[dict[str, Any]] = [
+        # NOTE: the image's home may not exist for the replica's uid: keep the hub's
+        # own files (token cache, xet chunks) in the scratch volume below.
+        {"name": "HF_HOME", "value": "/tmp/hf-home"},
+        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+    ]
+    if source.token_secret is not None:
+        ref = {"name": source.token_secret.name, "key": source.token_secret.key}
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
+    # Where the Hub lives (a mirror, a proxy) comes from the user's env, as for the replica.
+    env += [dict(e) for e in spec.env if e.get("name") in _FETCH_ENV]
+    return {
+        "name": FETCH_CONTAINER,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": [
+            "python",
+            "-m",
+            "cachepoint.scheduler.weights_fetch",
+            "--repo",
+            source.repo,
+            "--revision",
+            source.revision,
+            "--dest",
+            dest,
+        ],
+        "env": env,
+        # Downloads stream to disk: little CPU or memory, whatever the model's size.
+        "resources": {
+            "requests": {"cpu": "250m", "memory": "512Mi"},
+            "limits": {"memory": "2Gi"},
+        },
+        "volumeMounts": [
+            {"name": MODEL_VOLUME, "mountPath": dest},
+            {"name": "fetch-tmp", "mountPath": "/tmp"},
+        ],
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
 
 
 def build_disk_volume(spec: ReplicaSpec) -> tuple[dict[str, Any], dict[str, Any]] | None:
@@ -234,14 +359,15 @@ def build_disk_volume(spec: ReplicaSpec) -> tuple[dict[str, Any], dict[str, Any]
     return volume, mount
 
 
-def build_probes(port_name: str = PORT_NAME) -> dict[str, dict[str, Any]]:
+def build_probes(spec: ReplicaSpec, port_name: str = PORT_NAME) -> dict[str, dict[str, Any]]:
+    startup = spec.startup_probe
     return {
         # Loading weights onto the GPUs can take minutes: the startup probe holds off
-        # liveness until /healthz first answers, for up to 15 minutes.
+        # liveness until /healthz first answers (15 minutes by default).
         "startupProbe": {
             "httpGet": {"path": "/healthz", "port": port_name},
-            "periodSeconds": 10,
-            "failureThreshold": 90,
+            "periodSeconds": startup.period_seconds,
+            "failureThreshold": startup.failure_threshold,
         },
         "livenessProbe": {
             "httpGet": {"path": "/healthz", "port": port_name},
@@ -258,10 +384,35 @@ def build_probes(port_name: str = PORT_NAME) -> dict[str, dict[str, Any]]:
     }
 
 
+def build_lifecycle(spec: ReplicaSpec) -> dict[str, Any]:
+    """The preStop hook: drain before kubelet sends SIGTERM.
+
+    cachepoint.scheduler.drain tells the replica to announce draining on NATS (the
+    gateway stops routing new requests to it at once) and waits for its in-flight
+    streams, up to the drain grace; it reads the port and token from the pod's env.
+    """
+    command = ["python", "-m", "cachepoint.scheduler.drain"]
+    command += ["--timeout", str(spec.drain_grace_seconds)]
+    return {"preStop": {"exec": {"command": command}}}
+
+
+def termination_grace_seconds(spec: ReplicaSpec) -> int:
+    return spec.drain_grace_seconds + SHUTDOWN_MARGIN_SECONDS
+
+
 def build_replica_pod(
     *, replica: str, namespace: str, index: int, spec: ReplicaSpec, config: OperatorConfig
 ) -> dict[str, Any]:
     """Member `index` of CacheReplica `replica`: a bare pod the operator owns and replaces."""
+    pod = _render_pod(replica=replica, namespace=namespace, index=index, spec=spec, config=config)
+    pod["metadata"]["annotations"][ANNOTATION_TEMPLATE_HASH] = template_hash(spec, config)
+    return pod
+
+
+def _render_pod(
+    *, replica: str, namespace: str, index: int, spec: ReplicaSpec, config: OperatorConfig
+) -> dict[str, Any]:
+    """The member pod without its template hash (which is computed from this)."""
     name = member_pod_name(replica, index)
     volumes: list[dict[str, Any]] = [
         # NCCL and torch.distributed exchange through /dev/shm; the runtime's default 64MiB
@@ -293,7 +444,8 @@ def build_replica_pod(
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},
         },
-        **build_probes(),
+        **build_probes(spec),
+        "lifecycle": build_lifecycle(spec),
     }
     pod_spec: dict[str, Any] = {
         # hostname + subdomain + the headless Service give each member a stable DNS name:
@@ -302,11 +454,18 @@ def build_replica_pod(
         "subdomain": service_name(replica),
         "restartPolicy": "Always",
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 30,
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
         "volumes": volumes,
     }
+    fetch = build_fetch_container(spec)
+    if fetch is not None:
+        pod_spec["initContainers"] = [fetch]
+        volumes.append({"name": "fetch-tmp", "emptyDir": {}})
+        # NOTE: a fresh claim's filesystem is root's; the non-root fetcher must write it.
+        pod_spec["securityContext"]["fsGroup"] = REPLICA_GID
+        pod_spec["securityContext"]["fsGroupChangePolicy"] = "OnRootMismatch"
     ephemeral = spec.kv.disk_volume.ephemeral if spec.kv.disk_volume else None
     if spec.kv.has_disk_tier and ephemeral is not None:
         pod_spec["securityContext"]["fsGroup"] = ephemeral.fs_group
@@ -328,7 +487,6 @@ def build_replica_pod(
             "namespace": namespace,
             "labels": {**common_labels(replica), LABEL_MEMBER: str(index)},
             "annotations": {
-                ANNOTATION_TEMPLATE_HASH: template_hash(spec, config),
                 # The replica has no setting for it: the gateway applies the minimum.
                 # Recorded here so `kubectl describe` shows what this group was declared with.
                 ANNOTATION_MIN_CACHEABLE: str(spec.kv.min_cacheable_tokens),

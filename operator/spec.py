@@ -35,19 +35,55 @@ class HostPathSource(_Spec):
     path: str = Field(pattern=r"^/")
 
 
+class SecretKey(_Spec):
+    name: str = Field(min_length=1)
+    key: str = Field("HF_TOKEN", min_length=1)
+
+
+class EphemeralWeights(_Spec):
+    # Per member: made with the pod, deleted with it (a cold download on every new pod).
+    size: int | str
+    storage_class_name: str | None = None
+
+
+class WeightsStorage(_Spec):
+    """Where a Hugging Face download lands; one of the two."""
+
+    # An existing claim, shared by every member (ReadWriteMany, or one member only).
+    claim_name: str | None = Field(None, min_length=1)
+    ephemeral: EphemeralWeights | None = None
+
+
+class HuggingFaceSource(_Spec):
+    repo: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+    revision: str = Field("main", min_length=1)
+    # A Secret in the CacheReplica's namespace with the Hub token (gated or private repos).
+    token_secret: SecretKey | None = None
+    storage: WeightsStorage
+
+
 class ModelSpec(_Spec):
     name: str = Field(min_length=1, max_length=253)
     model_dir: str = Field("/models", pattern=r"^/")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     pvc: PvcSource | None = None
     host_path: HostPathSource | None = None
+    hugging_face: HuggingFaceSource | None = None
     num_attention_heads: int | None = Field(None, ge=1)
     num_key_value_heads: int | None = Field(None, ge=1)
     max_model_len: int | None = Field(None, ge=16)
 
+    def sources(self) -> list[str]:
+        given: list[tuple[str, _Spec | None]] = [
+            ("pvc", self.pvc),
+            ("hostPath", self.host_path),
+            ("huggingFace", self.hugging_face),
+        ]
+        return [name for name, source in given if source is not None]
+
     @property
     def has_weights(self) -> bool:
-        return self.pvc is not None or self.host_path is not None
+        return bool(self.sources())
 
 
 EvictionName = Literal["lru", "slru", "reuse_credit", "hit_density"]  # kvcore's registry
@@ -142,6 +178,14 @@ class DrainSpec(_Spec):
     grace_period_seconds: int = Field(300, ge=0, le=86400)
 
 
+class StartupProbeSpec(_Spec):
+    # NOTE: the default allows 15 minutes for the weights to load onto the GPUs. A
+    # Hugging Face download runs before, in an init container, outside this budget;
+    # a large checkpoint read from network storage may still need more.
+    period_seconds: int = Field(10, ge=1, le=3600)
+    failure_threshold: int = Field(90, ge=1, le=100000)
+
+
 class ReplicaSpec(_Spec):
     replicas: int = Field(1, ge=0, le=64)
     image: str = Field(min_length=1)
@@ -161,6 +205,7 @@ class ReplicaSpec(_Spec):
     env: list[dict[str, Any]] = Field(default_factory=list)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     drain: DrainSpec = Field(default_factory=DrainSpec)
+    startup_probe: StartupProbeSpec = Field(default_factory=StartupProbeSpec)
 
     @property
     def max_unavailable(self) -> int:
@@ -169,19 +214,6 @@ class ReplicaSpec(_Spec):
     @property
     def drain_grace_seconds(self) -> int:
         return self.drain.grace_period_seconds
-
-    def template_fields(self) -> dict[str, Any]:
-        """Everything that shapes a member pod: all of the spec except the member count."""
-        fields = self.model_dump(by_alias=True, mode="json", exclude={"replicas", "rollout"})
-        # NOTE: an unset eviction is left out, so that adding the field did not change
-        # the fingerprint (and roll every member pod) of a spec that does not use it.
-        if fields["kv"].get("eviction") is None:
-            fields["kv"].pop("eviction", None)
-        # Likewise the tier fields, unset (the same pods as before they existed).
-        for key in ("hostBytes", "diskPath", "diskBytes", "diskVolume"):
-            if not fields["kv"].get(key):
-                fields["kv"].pop(key, None)
-        return fields
 
 
 class SpecError(ValueError):
@@ -223,9 +255,31 @@ def spec_problems(name: str, spec: ReplicaSpec) -> list[str]:
     for field, count in heads.items():
         if count is not None and count % tp:
             problems.append(f"tensorParallelSize {tp} does not divide model.{field} {count}")
-    if spec.model.pvc is not None and spec.model.host_path is not None:
-        problems.append("model.pvc and model.hostPath are exclusive: give one weights source")
+    if len(spec.model.sources()) > 1:
+        problems.append(
+            "model.pvc, model.hostPath and model.huggingFace are exclusive: give one weights source"
+        )
+    problems += _hugging_face_problems(spec)
     problems += _tier_problems(spec)
+    return problems
+
+
+def _hugging_face_problems(spec: ReplicaSpec) -> list[str]:
+    source = spec.model.hugging_face
+    if source is None:
+        return []
+    storage, problems = source.storage, []
+    if (storage.claim_name is None) == (storage.ephemeral is None):
+        problems.append(
+            "model.huggingFace.storage: give one of claimName (a shared claim) and "
+            "ephemeral (a claim per member)"
+        )
+    if storage.ephemeral is not None:
+        try:
+            if parse_quantity(storage.ephemeral.size) <= 0:
+                problems.append("model.huggingFace.storage.ephemeral.size must be above 0")
+        except ValueError as e:
+            problems.append(f"model.huggingFace.storage.ephemeral.size: {e}")
     return problems
 
 

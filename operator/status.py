@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .members import member_index, pod_ready
+from .members import finished_reason, member_index, pod_finished, pod_ready
 from .naming import ANNOTATION_TEMPLATE_HASH, selector_string
 from .stats import ReplicaStats
 
@@ -121,8 +121,13 @@ def build_status(
     stats: dict[str, ReplicaStats | str],
     previous: dict[str, Any],
     now: str,
+    create_failures: list[str] | None = None,
 ) -> tuple[dict[str, Any], list[Restart]]:
-    """The whole status of a valid CacheReplica, and the member restarts seen this time."""
+    """The whole status of a valid CacheReplica, and the member restarts seen this time.
+
+    `create_failures`: the API's answers to child creates it refused (403, 422, ...);
+    they make the CacheReplica Degraded, since no retry fixes them.
+    """
     before = {m.get("name"): m for m in previous.get("members") or []}
     live = [p for p in pods if member_index(p) is not None]
     live = [p for p in live if not p["metadata"].get("deletionTimestamp")]
@@ -153,6 +158,9 @@ def build_status(
         and all(m["upToDate"] and m["ready"] for m in wanted)
     )
     failing = [m["name"] for m, pod in zip(members, live, strict=True) if _crash_looping(pod)]
+    # NOTE: a Failed pod is deleted and replaced on the same pass that sees it, so this
+    # condition lasts a tick or two; the operator's MemberFailed Event keeps the record.
+    finished = [finished_reason(pod) for pod in live if pod_finished(pod)]
     # A ready member whose stats cannot be read still serves; flag it, but it is no crash.
     silent = [m["name"] for m in members if m["ready"] and "statsError" in m]
 
@@ -160,12 +168,20 @@ def build_status(
     if settled:
         progress = (False, "Settled", f"{desired} member(s) up to date and ready")
     elif any(not m["upToDate"] for m in wanted):
-        progress = (True, "Rolling", "replacing members on an old template, one at a time")
+        progress = (
+            True,
+            "Rolling",
+            "replacing members on an old template, within rollout.maxUnavailable",
+        )
     elif len(members) != desired:
         progress = (True, "Scaling", f"{len(members)} member(s), {desired} wanted")
     else:
         progress = (True, "Starting", f"{ready}/{desired} member(s) ready")
-    if failing:
+    if create_failures:
+        degraded = (True, "CreateFailed", "; ".join(create_failures))
+    elif finished:
+        degraded = (True, "MemberFailed", "; ".join(finished))
+    elif failing:
         degraded = (True, "MemberFailing", "failing: " + ", ".join(failing))
     elif silent:
         degraded = (True, "StatsUnavailable", "no /v1/stats from: " + ", ".join(silent))
@@ -180,7 +196,7 @@ def build_status(
         build_condition("Progressing", *progress, previous_conditions, now),
         build_condition("Degraded", *degraded, previous_conditions, now),
     ]
-    if failing:
+    if failing or finished or create_failures:
         phase = "Degraded"
     elif desired == 0:
         phase = "Stopped"
@@ -203,3 +219,16 @@ def build_status(
         "conditions": conditions,
     }
     return status, restarts
+
+
+def set_condition(
+    previous: list[dict[str, Any]], kind: str, ok: bool, reason: str, message: str, now: str
+) -> list[dict[str, Any]]:
+    """`previous` with one condition replaced (or added), the others kept as they are.
+
+    For a handler that learns one thing (a refused create) between two timer ticks: a
+    merge patch replaces the whole list, so the others must be sent back unchanged.
+    """
+    new = build_condition(kind, ok, reason, message, previous, now)
+    kept = [c for c in previous if c.get("type") != kind]
+    return [*kept, new]
