@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import gc
 import json
 import logging
 import os
+import signal
+import socket
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from types import FrameType
 from typing import Any, Literal, TypeVar
 
 from pydantic import AliasChoices, ValidationError
@@ -89,6 +93,51 @@ def configure_logging(log_level: str, log_format: LogFormat = "text") -> None:
     root.setLevel(log_level.upper())
 
 
+def _draining_server(config: Any, state: Any, cut_after_s: float) -> Any:
+    """A uvicorn server that, on the first SIGTERM, awaits ``state.drain()`` while it
+    keeps serving, then shuts down; whatever still runs is cut ``cut_after_s`` later."""
+    import uvicorn
+
+    log = logging.getLogger(__name__)
+
+    class DrainingServer(uvicorn.Server):
+        loop: asyncio.AbstractEventLoop | None = None
+        draining = False
+        drain_task: asyncio.Future[None] | None = None
+
+        async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+            self.loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            drain = getattr(state, "drain", None)
+            first = not (self.draining or self.should_exit)
+            if sig != signal.SIGTERM or drain is None or not first or self.loop is None:
+                # NOTE: SIGINT, a second SIGTERM, or an app that does not drain (or has
+                # not started yet): as uvicorn does, a graceful stop now.
+                super().handle_exit(sig, frame)
+                return
+            self.draining = True
+            # NOTE: a signal handler runs between two bytecodes of the loop's own
+            # thread; the drain is handed to the loop, which keeps serving meanwhile.
+            self.loop.call_soon_threadsafe(self._start_drain, drain)
+
+        def _start_drain(self, drain: Callable[[], Awaitable[object]]) -> None:
+            self.drain_task = asyncio.ensure_future(self._drain_then_exit(drain))
+
+        async def _drain_then_exit(self, drain: Callable[[], Awaitable[object]]) -> None:
+            try:
+                await drain()
+            except Exception:
+                log.exception("drain failed; shutting down anyway")
+            # NOTE: the drain's grace is over: what still runs is cut shortly after,
+            # where uvicorn alone would wait for every connection without end.
+            self.config.timeout_graceful_shutdown = cut_after_s
+            self.should_exit = True
+
+    return DrainingServer(config)
+
+
 def serve(
     app_factory: Callable[[], Any],
     host: str,
@@ -100,6 +149,11 @@ def serve(
 ) -> int:
     """Run the app with uvicorn, which turns SIGINT/SIGTERM into a graceful shutdown
     (the app's lifespan then drains what it owns). Returns the exit status.
+
+    An app that puts ``drain`` (an async callable, no arguments) in its ``state`` is
+    drained on the first SIGTERM: the server keeps answering while ``drain()`` runs
+    (the replica refuses new work then, with a clear 503, and lets what runs finish),
+    then shuts down and this returns 0. SIGINT, and a second SIGTERM, stop at once.
 
     The app may stop the server itself: ``serve`` puts ``request_exit(code)`` in its
     ``state``; the server then shuts down gracefully and this returns ``code``. If
@@ -113,7 +167,9 @@ def serve(
     # NOTE: in JSON, uvicorn's own lines go through the root handler too (log_config
     # None); in text it keeps its usual format.
     extra: dict[str, Any] = {"log_config": None} if log_format == "json" else {}
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, **extra))
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, **extra)
+    state = getattr(app, "state", None)
+    server = _draining_server(config, state, exit_grace_s)
     exit_code = 0
 
     def request_exit(code: int) -> None:
@@ -124,7 +180,6 @@ def serve(
         timer.daemon = True
         timer.start()
 
-    state = getattr(app, "state", None)
     if state is not None:
         state.request_exit = request_exit
     # NOTE: what is alive now (the model, the schemas, the routes) lives as long as the

@@ -229,7 +229,7 @@ class Stack:
             if problem is not None:
                 raise StackError(f"--model-dir {problem}")
         binary = nats_binary()
-        for sub in ("logs", "nats", "traces"):
+        for sub in ("logs", "traces"):
             (self.state_dir / sub).mkdir(parents=True, exist_ok=True)
         try:
             progress("starting nats-server")
@@ -251,9 +251,6 @@ class Stack:
                     "127.0.0.1",
                     "-p",
                     str(nport),
-                    "-js",
-                    "-sd",
-                    str(self.state_dir / "nats"),
                 ],
                 self.nats_url,
             )

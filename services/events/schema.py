@@ -80,6 +80,8 @@ class Heartbeat(msgspec.Struct, frozen=True):
     prefill_tokens_per_s: float = 0.0  # prefill throughput: recompute costs 1/this per token
     host_read_bytes_per_s: float = 0.0  # host memory -> device copy bandwidth, per device
     disk_read_bytes_per_s: float = 0.0  # local disk -> device copy bandwidth, per device
+    # NOTE: last, with a default: a heartbeat from an older replica decodes as not draining.
+    draining: bool = False  # going away: route nothing new here; what runs there finishes
 
 
 class Snapshot(msgspec.Struct, frozen=True):

@@ -194,7 +194,16 @@ class NatsBus:
             host_read_bytes_per_s=s.rates.host_bytes_per_s,
             disk_read_bytes_per_s=s.rates.disk_bytes_per_s,
             ts=time.time(),
+            draining=s.draining,
         )
+
+    async def announce(self) -> None:
+        """Publish a heartbeat now (a drain began: the gateway must not wait an interval)."""
+        nc = self.nc
+        if nc is None or not nc.is_connected or not self.scheduler.alive:
+            return
+        await nc.publish(heartbeat_subject(self.scheduler.name), schema.encode(self.heartbeat()))
+        await nc.flush(timeout=2)
 
     async def _heartbeats(self) -> None:
         while True:

@@ -14,6 +14,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from .model_source import RANDOM_MODEL_NAME
+
 _ERRORS = {
     400: "invalid_request_error",
     429: "rate_limit_error",
@@ -23,8 +25,13 @@ _ERRORS = {
 
 
 def create_echo_app(
-    name: str = "echo", fail_with: int | None = None, output_tokens: int = 1
+    name: str = "echo",
+    fail_with: int | None = None,
+    output_tokens: int = 1,
+    model: str = RANDOM_MODEL_NAME,
 ) -> FastAPI:
+    """``model``: the model it says it serves; the gateway routes only that model's
+    requests here (the gateway's default model, as a real random-weight replica)."""
     app = FastAPI(title=f"echo replica {name}")
 
     def result(body: dict[str, Any]) -> dict[str, Any]:
@@ -34,7 +41,7 @@ def create_echo_app(
             "request_id": body.get("request_id") or "echo",
             "replica": name,
             "epoch": 1,
-            "model": "echo",
+            "model": model,
             "output_token_ids": [0] * output_tokens,
             "text": "x" * output_tokens,
             "stop_reason": "max_tokens",
@@ -80,7 +87,7 @@ def create_echo_app(
         return {
             "replica": name,
             "epoch": 1,
-            "model": "echo",
+            "model": model,
             "block_size": 16,
             "queued_prefill_tokens": 0,
             "running": 0,

@@ -31,6 +31,14 @@ class OverloadedError(SchedulerError):
     status = 503
 
 
+class DrainingError(SchedulerError):
+    """The replica is draining (its pod is going away): it takes no new request, while
+    the ones it runs finish. Retryable at once on another replica, as the gateway does."""
+
+    kind = "overloaded_error"
+    status = 503
+
+
 class EngineFailedError(SchedulerError):
     """The forward pass failed; the request's blocks were returned, nothing published."""
 

@@ -53,6 +53,7 @@ from cachepoint.kvcore import (
 from . import admission
 from .errors import (
     CancelledRequestError,
+    DrainingError,
     EngineFailedError,
     InvalidRequestError,
     OverloadedError,
@@ -169,6 +170,9 @@ class Scheduler:
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{self.name}")
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        # NOTE: set by draining.Drainer and never cleared: a replica that drains is on
+        # its way out; its heartbeats say so until the process exits.
+        self.draining = False
         self.failure: BaseException | None = None  # what killed the loop, if it died
         self.on_death: DeathHook | None = None  # called once, after the loop died
         # Test hook: called with each non-empty batch outside every per-request guard, so
@@ -207,6 +211,11 @@ class Scheduler:
         if self._stopping:
             why = " (scheduler loop stopped)" if self.failure is not None else ""
             raise OverloadedError(f"replica {self.name} is shutting down{why}")
+        if self.draining:
+            raise DrainingError(
+                f"replica {self.name} is draining: it takes no new requests; retry on "
+                "another replica"
+            )
         n = len(req.token_ids)
         vocab = self.engine.vocab_size
         bad = next((i for i, t in enumerate(req.token_ids) if not 0 <= t < vocab), None)

@@ -187,3 +187,22 @@ class StatsResponse(BaseModel):
     tiers: list[TierStatsOut] = []  # host and disk tiers behind the device pool, if any
     copied_blocks: int = 0  # blocks copied between tiers by the engine, ever
     copy_seconds: float = 0.0  # engine time spent on those copies, ever
+    draining: bool = False  # going away: the gateway routes nothing new here
+
+
+# NOTE: an hour: longer than any pod's termination grace, so a typo (seconds read as
+# milliseconds) is refused rather than holding a preStop hook for days.
+MAX_DRAIN_S = 3600.0
+
+
+class DrainRequest(_Strict):
+    timeout_s: float = Field(
+        ge=0,
+        le=MAX_DRAIN_S,
+        description="how long to wait for the requests in flight (streams included) to end",
+    )
+
+
+class DrainResponse(BaseModel):
+    drained: bool  # nothing was in flight when the answer was sent
+    in_flight: int  # generate calls still running (0 when drained)

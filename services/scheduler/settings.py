@@ -171,10 +171,19 @@ class ReplicaSettings(BaseSettings):
         None, description="URL the gateway should call; default http://HOST:PORT"
     )
     heartbeat_interval_s: float = Field(1.0, gt=0, description="seconds between heartbeats")
+    drain_grace_s: float = Field(
+        25.0,
+        ge=0,
+        description="on SIGTERM, how long the replica drains before it exits: it takes no "
+        "new requests, heartbeats draining (the gateway routes elsewhere) and lets the "
+        "requests it runs finish for up to this long; keep it under the pod's "
+        "terminationGracePeriodSeconds (default 30)",
+    )
     internal_token: SecretStr | None = Field(
         None,
         validation_alias=shared_env("internal_token", "REPLICA"),
-        description="bearer token /v1/generate and /v1/stats require; None = open (dev only)",
+        description="bearer token /v1/generate, /v1/stats and /v1/drain require; None = open "
+        "(dev only)",
     )
 
     @field_validator("name")

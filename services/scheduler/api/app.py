@@ -18,6 +18,7 @@ from cachepoint.tokenizer import Tokenizer
 
 from .. import watchdog
 from ..bus import NatsBus
+from ..draining import CountInFlight, Drainer, InFlight
 from ..metrics import ReplicaMetrics
 from ..random_model import RANDOM_CONTEXT, load_random_tokenizer, random_context
 from ..requestlog import LOGGER, RequestLog
@@ -25,7 +26,7 @@ from ..scheduler import EventSink, Scheduler
 from ..sequence import SequenceState
 from ..settings import ReplicaSettings
 from .errors import install_error_handlers
-from .routes import generate, health, stats
+from .routes import drain, generate, health, stats
 
 log = logging.getLogger(LOGGER)
 
@@ -106,7 +107,8 @@ def create_app(
     sink: EventSink | None = None,
     telemetry: Telemetry | None = None,
 ) -> FastAPI:
-    """The app starts its scheduler on startup and drains it on shutdown.
+    """The app starts its scheduler on startup and stops it on shutdown; it drains on
+    ``POST /v1/drain`` and, served by ``cachepoint.serve``, on SIGTERM (draining.py).
 
     Pass ``engine`` to share one across apps in tests; otherwise it is built from the
     settings (and closed on shutdown, which stops any TP workers).
@@ -144,9 +146,18 @@ def create_app(
             scheduler.sink = bus
             bus.tracer = tel.tracer
             await bus.start()
+        drainer = Drainer(scheduler, in_flight, bus.announce if bus is not None else None)
         app.state.scheduler = scheduler
         app.state.metrics = metrics
         app.state.bus = bus
+        app.state.drainer = drainer
+
+        # NOTE: cachepoint.serve awaits this on SIGTERM before it stops the server, so a
+        # local run (`cachepoint up`) or a pod without the preStop hook drains too.
+        async def drain_on_exit() -> None:
+            await drainer.drain(settings.drain_grace_s, why="SIGTERM")
+
+        app.state.drain = drain_on_exit
         scheduler.start()
         log.info(
             "replica started",
@@ -184,7 +195,9 @@ def create_app(
         lifespan=lifespan,
     )
     install_error_handlers(app)
-    for module in (generate, stats, health):
+    for module in (generate, stats, drain, health):
         app.include_router(module.router)
+    in_flight = InFlight()
+    app.add_middleware(CountInFlight, counter=in_flight)
     instrument_server(app, tel)
     return app

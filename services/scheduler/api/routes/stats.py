@@ -61,4 +61,5 @@ async def stats(scheduler: SchedulerDep) -> StatsResponse:
         ],
         copied_blocks=scheduler.copied_blocks,
         copy_seconds=scheduler.copy_s,
+        draining=scheduler.draining,
     )
