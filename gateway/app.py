@@ -24,6 +24,10 @@ from .settings import GatewaySettings
 from .state import GatewayState
 from .upstream import Router
 
+# NOTE: a pod may start before its database; wait this long for it, inside the chart's
+# startup probe budget (30 x 5 s), then fail the start with a clear error.
+DATABASE_WAIT_S = 120.0
+
 
 def create_app(
     settings: GatewaySettings,
@@ -43,7 +47,9 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = make_engine(settings.database_url)
-        upgrade(engine)
+        # NOTE: blocking is fine here: nothing is served before startup ends. One pod of
+        # several migrates, the others wait on its lock (db/migrate.py).
+        upgrade(engine, wait_s=DATABASE_WAIT_S)
         timeout = httpx.Timeout(settings.upstream_timeout_s, connect=5.0)
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
         # NOTE: this client talks only to replicas (generate, stream, stats polls), so the

@@ -13,6 +13,9 @@ snapshot requests it asks for, so every rule below is unit-testable.
   heartbeat the replica's cost model, from which the view's `TierValue` prices a
   lower-tier hit for the routing policies.
 - A replica whose health check fails is not live until one passes or it restarts.
+- A replica whose heartbeat says ``draining`` leaves routing at once (`views`); the
+  requests already sent there finish. Only a new epoch (a new process) brings it back.
+- Routing is per model: `views(model)` lists only the replicas serving that model.
 - Refused, changing nothing: an epoch (the replica's start time) further in the
   future than ``max_epoch_skew_s``, and a URL the `UrlPolicy` does not give the name.
 """
@@ -50,6 +53,7 @@ class ReplicaState:
     model: str = ""
     resyncing: bool = False  # a snapshot request is in flight
     healthy: bool = True  # False after a failed health check, until one passes or a restart
+    draining: bool = False  # it said it is going away: no new requests, until a new epoch
     pending: list[schema.EventBatch] = field(default_factory=list)  # held during resync
 
     @property
@@ -130,6 +134,7 @@ class ReplicaDirectory:
         st.pending.clear()
         st.resyncing = False
         st.healthy = True  # a new process: judge it afresh
+        st.draining = False
         st.last_applied = self.clock()
 
     # ------------------------------------------------------------ heartbeats
@@ -147,6 +152,7 @@ class ReplicaDirectory:
         st.url = hb.url
         st.block_size = hb.block_size
         st.model = hb.model
+        self._set_draining(st, hb.draining)
         st.last_heartbeat = self.clock()
         v = st.view
         v.queued_prefill_tokens = hb.queued_prefill_tokens
@@ -171,6 +177,7 @@ class ReplicaDirectory:
         block_size, model = int(stats["block_size"]), str(stats["model"])
         load = [int(stats[k]) for k in ("queued_prefill_tokens", "running", "waiting")]
         max_waiting = int(stats["max_waiting"])
+        draining = stats.get("draining", False) is True  # absent in older replicas' stats
         if self._future_epoch(name, epoch) or self._bad_url(name, url):
             return False
         st = self._state(name)
@@ -179,12 +186,20 @@ class ReplicaDirectory:
         st.url = url
         st.block_size = block_size
         st.model = model
+        self._set_draining(st, draining)
         st.last_polled = self.clock()
         v = st.view
         v.queued_prefill_tokens, v.running, v.waiting = load
         v.max_waiting = max_waiting
         v.live = st.healthy
         return True
+
+    def _set_draining(self, st: ReplicaState, draining: bool) -> None:
+        # NOTE: one way within an epoch: a replica never stops draining; a stale message
+        # sent before its drain began must not put it back in routing.
+        if draining and not st.draining:
+            log.info("replica %s is draining: out of routing for new requests", st.name)
+        st.draining = st.draining or draining
 
     def sweep(self) -> list[str]:
         """Take silent replicas out of routing; returns the names just taken out."""
@@ -276,8 +291,26 @@ class ReplicaDirectory:
 
     # --------------------------------------------------------------- queries
 
-    def views(self) -> list[ReplicaView]:
-        return [st.view for st in self.replicas.values() if st.url is not None]
+    def views(self, model: str | None = None) -> list[ReplicaView]:
+        """What a request may be routed to: the replicas with a URL that are not
+        draining, and with ``model`` only those that serve it."""
+        return [
+            st.view
+            for st in self.replicas.values()
+            if st.url is not None and not st.draining and (model is None or st.model == model)
+        ]
+
+    def served_models(self) -> set[str]:
+        """Every model a known replica reports, live, draining or not."""
+        return {st.model for st in self.replicas.values() if st.url is not None and st.model}
+
+    def draining(self, model: str | None = None) -> list[str]:
+        """The draining replicas (of ``model``), by name."""
+        return [
+            st.name
+            for st in self.replicas.values()
+            if st.draining and (model is None or st.model == model)
+        ]
 
     def url_of(self, name: str) -> str | None:
         st = self.replicas.get(name)

@@ -11,7 +11,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .errors import ApiError
@@ -19,6 +19,7 @@ from .pipeline import ReportLimits, UsageReportError, buckets_of, check_output
 from .state import GatewayState
 from .upstream import (
     ReplicaClient,
+    ReplicaRefusedError,
     ReplicaStreamError,
     ReplicaUnreachableError,
     Routed,
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 # is 0.2 s, and a check is one non-blocking receive.
 DISCONNECT_POLL_S = 0.1
 STOPS = ("end_turn", "max_tokens", "stop_sequence")  # the stop reasons a replica may give
+# NOTE: a rolling update drains one replica at a time (maxUnavailable), so two more
+# tries reach a serving one; a bound keeps a fleet-wide outage from looping.
+MAX_REROUTES = 2
 
 
 def pick(state: GatewayState, route: RouteRequest) -> Routed:
@@ -119,15 +123,28 @@ async def open_stream(
     payload: dict[str, Any],
     limits: ReportLimits,
 ) -> Opened:
-    """Open the replica's stream and wait for its prefill; a replica that is down
-    before answering is reported, and the request routed once more, elsewhere."""
-    try:
-        return await _open_once(state, routed.replica, payload, limits)
-    except ReplicaUnreachableError:
-        # It died before its heartbeat went stale: route once more, elsewhere.
-        state.router.report_failure(routed.replica.name)
-        routed = pick(state, route)
-        return await _open_once(state, routed.replica, payload, limits)
+    """Open the replica's stream and wait for its prefill. A replica that is down (it is
+    reported) or refuses with 503 (draining, shutting down: nothing ran there) is
+    skipped, and the request routed again, elsewhere, up to ``MAX_REROUTES`` times; the
+    last refusal is what the client sees when no other replica can take it."""
+    tried: list[str] = []
+    while True:
+        try:
+            return await _open_once(state, routed.replica, payload, limits)
+        except (ReplicaUnreachableError, ReplicaRefusedError) as exc:
+            name = routed.replica.name
+            if isinstance(exc, ReplicaUnreachableError):
+                # It died before its heartbeat went stale.
+                state.router.report_failure(name)
+            else:
+                log.info("replica %s refused a request (%s); routing it elsewhere", name, exc)
+            tried.append(name)
+            if len(tried) > MAX_REROUTES:
+                raise
+            try:
+                routed = pick(state, replace(route, avoid=frozenset(tried)))
+            except ApiError:
+                raise exc from None
 
 
 async def _watch(

@@ -1,5 +1,6 @@
 """Cache-aware routing over the directory (DESIGN §4): hash the prompt with the same
-kvcore code and keys the replica will use, then let the configured policy choose."""
+kvcore code and keys the replica will use, then let the configured policy choose
+among the replicas that serve the request's (alias-resolved) model."""
 
 from __future__ import annotations
 
@@ -8,10 +9,16 @@ from collections.abc import Callable
 import httpx
 
 from cachepoint.kvcore import KeySpan, hash_blocks
-from cachepoint.routing import LeastLoadedPolicy, NoReplicaError, RoutingPolicy, make_policy
+from cachepoint.routing import (
+    LeastLoadedPolicy,
+    NoReplicaError,
+    ReplicaView,
+    RoutingPolicy,
+    make_policy,
+)
 
 from .directory import ReplicaDirectory
-from .errors import overloaded
+from .errors import not_found, overloaded
 from .upstream import ReplicaClient, Routed, RouteRequest
 
 
@@ -43,8 +50,34 @@ class DirectoryRouter:
             self._clients[name] = c
         return c
 
+    def _candidates(self, req: RouteRequest) -> list[ReplicaView]:
+        """The replicas that serve ``req.model``, not draining, not already tried; a
+        clear error when there are none (a 404 if no known replica serves the model)."""
+        views = [v for v in self.directory.views(req.model) if v.name not in req.avoid]
+        if views:
+            return views
+        served = self.directory.served_models()
+        if served and req.model not in served:
+            # NOTE: the model resolved (a configured model, or an alias of one) but no
+            # replica reports it: a request must never reach another model's replica.
+            raise not_found(
+                f"model: {req.model} is not served by any replica (replicas serve: "
+                f"{', '.join(sorted(served))})"
+            )
+        draining = self.directory.draining(req.model)
+        if draining:
+            raise overloaded(
+                f"no replica can take the request: every replica serving {req.model} is "
+                f"draining or was tried ({', '.join(sorted({*draining, *req.avoid}))})"
+            )
+        if req.avoid:
+            raise overloaded(
+                f"no replica can take the request: no other replica serves {req.model}"
+            )
+        return views  # none known at all: the policy says so
+
     def pick(self, req: RouteRequest) -> Routed:
-        views = self.directory.views()
+        views = self._candidates(req)
         spans = [KeySpan(start, tuple(keys)) for start, keys in req.key_spans]
         hashes = hash_blocks(req.tokens, self.block_size, spans)
         policy = self.policy if self.nats_up() else self.fallback

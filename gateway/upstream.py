@@ -13,7 +13,7 @@ import msgspec
 
 from cachepoint.routing import RouteDecision
 
-from .errors import ApiError, internal, invalid, overloaded, rate_limited
+from .errors import ApiError, internal, invalid, rate_limited
 
 # NOTE: msgspec encodes the token list several times faster than json; on a long
 # prompt that is most of the gateway's own CPU time per request.
@@ -24,15 +24,26 @@ _JSON = {"content-type": "application/json"}
 _STATUS = {
     400: lambda m: invalid(m),
     429: lambda m: rate_limited(m),
-    503: lambda m: overloaded(m),
 }
 
 
-def _error_from(resp_status: int, body: bytes) -> ApiError:
+class ReplicaRefusedError(ApiError):
+    """The replica answered 503 before taking the request: it is draining or shutting
+    down, or its pool cannot fit the request now. Nothing ran there, so the request is
+    routed again, elsewhere; the client sees 529 if nowhere else takes it."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(529, "overloaded_error", message)
+        self.replica = name
+
+
+def _error_from(name: str, resp_status: int, body: bytes) -> ApiError:
     try:
         message = str(json.loads(body)["error"]["message"])
     except (ValueError, KeyError, TypeError):
         message = body.decode(errors="replace")[:500] or f"replica answered {resp_status}"
+    if resp_status == 503:
+        return ReplicaRefusedError(name, message)
     make = _STATUS.get(resp_status)
     if make is not None:
         return make(message)
@@ -71,7 +82,7 @@ class ReplicaClient:
         except httpx.TransportError as exc:
             raise ReplicaUnreachableError(self.name, exc) from exc
         if resp.status_code != 200:
-            raise _error_from(resp.status_code, resp.content)
+            raise _error_from(self.name, resp.status_code, resp.content)
         data: dict[str, Any] = _decode(resp.content)
         return data
 
@@ -87,7 +98,7 @@ class ReplicaClient:
                 headers=_JSON,
             ) as resp:
                 if resp.status_code != 200:
-                    raise _error_from(resp.status_code, await resp.aread())
+                    raise _error_from(self.name, resp.status_code, await resp.aread())
 
                 async def events() -> AsyncIterator[dict[str, Any]]:
                     # NOTE: a replica that dies mid-stream surfaces here, after the
@@ -124,7 +135,8 @@ class RouteRequest:
 
     tokens: Sequence[int]  # the rendered prompt
     key_spans: Sequence[tuple[int, Sequence[str]]]  # (start_block, extra keys)
-    model: str
+    model: str  # the served model id (aliases resolved): only its replicas may be chosen
+    avoid: frozenset[str] = frozenset()  # replicas already tried for this request
 
 
 @dataclass(frozen=True, slots=True)

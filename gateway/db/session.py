@@ -27,7 +27,12 @@ def make_engine(url: str) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    # NOTE: libpq waits forever for a host that drops packets; a bound makes a start
+    # that waits for its database (migrate.wait_for_database) retry instead of hang.
+    connect_args = {} if "connect_timeout" in url else {"connect_timeout": 10}
+    return create_engine(
+        url, pool_pre_ping=True, pool_size=10, max_overflow=20, connect_args=connect_args
+    )
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
