@@ -25,6 +25,8 @@ import pytest
 import yaml
 from kmock import ResourceInfo
 
+from .apiserver import chart
+from .apiserver.rbac import Authorizer
 from .emulator import ApiServer
 
 # The timer interval is fixed when the handlers module is imported (kopf decorators),
@@ -42,6 +44,9 @@ os.environ.update(
     }
 )
 INTERNAL_TOKEN = "operator-test-token"
+# The operator's bearer token for the API: its requests are authorized by the chart's RBAC,
+# while the tests' own (no token) act as cluster-admin.
+OPERATOR_API_TOKEN = "test-token"
 USERS_SECRET = ("cachepoint", "rel-cachepoint-nats-users")  # the chart's (namespace, name)
 
 NAMESPACE = "serving"
@@ -50,6 +55,7 @@ PODS = "v1/pods"
 SERVICES = "v1/services"
 EVENTS = "v1/events"
 SECRETS = "v1/secrets"
+PDBS = "policy/v1/poddisruptionbudgets"
 
 
 def cache_replica(name: str, **spec: Any) -> dict[str, Any]:
@@ -142,17 +148,22 @@ def cluster(kmock: ApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     kmock.resources[SERVICES] = ResourceInfo(kind="Service", namespaced=True, verbs=verbs)
     kmock.resources[EVENTS] = ResourceInfo(kind="Event", namespaced=True, verbs=verbs)
     kmock.resources[SECRETS] = ResourceInfo(kind="Secret", namespaced=True, verbs=verbs)
+    kmock.resources[PDBS] = ResourceInfo(kind="PodDisruptionBudget", namespaced=True, verbs=verbs)
     # kopf waits for these two to be discoverable before it starts, even though with
     # scanning disabled and -A it never lists them (listing namespaces trips kmock 0.8).
     kmock.resources["v1/namespaces"] = ResourceInfo(kind="Namespace", namespaced=False, verbs=verbs)
     kmock.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = ResourceInfo(
         kind="CustomResourceDefinition", namespaced=False, verbs=verbs
     )
+    for crd in chart.crds():
+        kmock.install_crd(crd)
+    authorizer = Authorizer.from_manifests(chart.rendered_rbac(), chart.OPERATOR_SERVICE_ACCOUNT)
+    kmock.enable_rbac(authorizer, OPERATOR_API_TOKEN)
     kubeconfig = {
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [{"name": "kmock", "cluster": {"server": str(kmock.url).rstrip("/")}}],
-        "users": [{"name": "test", "user": {"token": "test-token"}}],
+        "users": [{"name": "test", "user": {"token": OPERATOR_API_TOKEN}}],
         "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "test"}}],
         "current-context": "kmock",
     }
@@ -196,13 +207,24 @@ async def operator(cluster: Cluster) -> AsyncIterator[Any]:
 
 @pytest.fixture
 async def kubelet(cluster: Cluster) -> AsyncIterator[None]:
-    """Plays the kubelet: every new pod starts, gets 127.0.0.1 as its IP and turns Ready."""
+    """Plays the scheduler and the kubelet: every new pod is bound to a node, starts, gets
+    127.0.0.1 as its IP and turns Ready; a deleted one stops and is confirmed gone."""
 
     async def run() -> None:
         while True:
             for name, pod in cluster.pods().items():
+                if pod["metadata"].get("deletionTimestamp"):
+                    # NOTE: the stub's containers stop at once on SIGTERM; the kubelet then
+                    # confirms with a zero grace, which is what removes a terminating pod.
+                    await cluster.server.confirm_termination(kmock.resource(PODS), NAMESPACE, name)
+                    continue
                 if pod.get("status", {}).get("podIP"):
                     continue
+                if not pod.get("spec", {}).get("nodeName"):
+                    # The scheduler's binding: with a node, a delete gets the grace period.
+                    await cluster.server.patch(
+                        cluster.path(PODS, name), json={"spec": {"nodeName": "kmock-node"}}
+                    )
                 status = {
                     "phase": "Running",
                     "podIP": "127.0.0.1",
