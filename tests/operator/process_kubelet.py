@@ -225,6 +225,17 @@ class ProcessKubelet:
                 await self._probe(p)
 
     # -------------------------------------------------------------- containers
+    def _names(self, p: PodProcess) -> dict[str, str]:
+        """What cluster DNS would resolve for this pod: the fixed `dns` map, plus every
+        known pod's own name (hostname.subdomain.namespace.svc.cluster.local) as its IP."""
+        names = dict(self.dns)
+        for other in [*self.pods.values(), p]:
+            spec = other.pod.get("spec") or {}
+            if spec.get("hostname") and spec.get("subdomain"):
+                fqdn = f"{spec['hostname']}.{spec['subdomain']}.{other.namespace}.svc.cluster.local"
+                names[fqdn] = other.ip
+        return names
+
     def _env(self, p: PodProcess) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("CACHEPOINT_")}
         env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
@@ -250,7 +261,7 @@ class ProcessKubelet:
                     }[path]
                 else:
                     raise ConfigError(f"env {name}: unsupported source {source}")
-            for host, local in self.dns.items():
+            for host, local in self._names(p).items():
                 value = value.replace(host, local)
             env[name] = value
         # The pod's network namespace: bind the pod IP, not every address of the host.

@@ -524,6 +524,9 @@ async def test_two_namespaces_two_models_roll_evict_kill_and_scale(
         "the operator to count the restart",
         60,
     )
+    # NOTE: pod readiness is the kubelet's probe; the gateway routes there once the new
+    # process's first heartbeat (its new epoch) arrives, a moment later.
+    await _wait(lambda: live_is(3), "the gateway routes to the restarted beta-0", 30)
     assert (await asyncio.to_thread(f.ask, "model-b", "after the crash"))[0] == "team-b_beta-0"
 
     # An evicted member (phase Failed) is replaced by a new pod.
