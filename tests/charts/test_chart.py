@@ -75,7 +75,9 @@ def test_lint(helm: str, scenario: str) -> None:
 def test_built_in_objects_are_valid_kubernetes(
     rendered: dict[str, list[dict[str, Any]]], scenario: str
 ) -> None:
-    built_in = [d for d in rendered[scenario] if d["kind"] != "CacheReplica"]
+    # CacheReplica and kopf's peering objects are ours and kopf's CRDs, not built-ins.
+    ours = {"CacheReplica", "ClusterKopfPeering", "KopfPeering"}
+    built_in = [d for d in rendered[scenario] if d["kind"] not in ours]
     assert len(built_in) > 10
     for doc in built_in:
         # Raises on any schema error; SchemaNotFoundError (an unknown kind) fails too.
@@ -184,7 +186,7 @@ def test_default_install(rendered: dict[str, list[dict[str, Any]]]) -> None:
     assert "Deployment" not in {d["kind"] for d in docs if "otel" in d["metadata"]["name"]}
     gateway = one(docs, "Deployment", f"{FULLNAME}-gateway")
     container = gateway["spec"]["template"]["spec"]["containers"][0]
-    assert container["image"] == "cachepoint-gateway:0.1.0"
+    assert container["image"] == "ghcr.io/cachepoint/cachepoint-gateway:0.1.0"
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     gw_env = env(container)
@@ -197,7 +199,10 @@ def test_default_install(rendered: dict[str, list[dict[str, Any]]]) -> None:
     op = operator["spec"]["template"]["spec"]["containers"][0]
     assert "--all-namespaces" in op["args"]
     assert env(op)["CACHEPOINT_OPERATOR_NATS_URL"] == nats_url
-    assert operator["spec"]["strategy"]["type"] == "Recreate"
+    # Two replicas with kopf peering: one works, one stands by; roll without a gap.
+    assert operator["spec"]["replicas"] == 2
+    assert operator["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert any(a.startswith("--peering=") for a in op["args"])
     db = one(docs, "Secret", f"{FULLNAME}-gateway-db")["data"]
     url = base64.b64decode(db["DATABASE_URL"]).decode()
     password = base64.b64decode(db["POSTGRES_PASSWORD"]).decode()
@@ -218,10 +223,16 @@ def test_operator_rbac_is_least_privilege(rendered: dict[str, list[dict[str, Any
     # secrets, no "*"): secrets only by name, for each CacheReplica's credentials.
     needed = {("cachepoint.dev", "cachereplicas", v) for v in ("get", "list", "watch", "patch")}
     needed |= {("cachepoint.dev", "cachereplicas/status", v) for v in ("get", "patch")}
-    needed |= {("", "pods", v) for v in ("list", "create", "delete")}
+    # OwnerReferencesPermissionEnforcement (OpenShift): blockOwnerDeletion needs it.
+    needed |= {("cachepoint.dev", "cachereplicas/finalizers", "update")}
+    # The pod index watches member pods (one stream, no LIST per tick).
+    needed |= {("", "pods", v) for v in ("list", "watch", "create", "delete")}
     needed |= {("", "services", v) for v in ("get", "create", "patch", "delete")}
+    needed |= {("policy", "poddisruptionbudgets", v) for v in ("get", "create", "patch", "delete")}
     needed |= {("", "events", "create")}
     needed |= {("", "secrets", v) for v in ("get", "create", "patch", "delete")}
+    # Two operator replicas with kopf peering (the default): cluster-wide peering object.
+    needed |= {("kopf.dev", "clusterkopfpeerings", v) for v in ("get", "list", "watch", "patch")}
     assert granted == needed
     binding = one(rendered["default"], "ClusterRoleBinding", f"{FULLNAME}-operator")
     assert binding["subjects"][0]["name"] == f"{FULLNAME}-operator"
@@ -233,7 +244,7 @@ def test_gpu_replicas(rendered: dict[str, list[dict[str, Any]]]) -> None:
     assert sorted(replicas) == ["llama-70b", "llama-8b"]
     big = replicas["llama-70b"]["spec"]
     assert (big["tensorParallelSize"], big["gpusPerPod"]) == (4, 4)
-    assert big["image"] == "cachepoint-replica-cuda:0.1.0"
+    assert big["image"] == "ghcr.io/cachepoint/cachepoint-replica-cuda:0.1.0"
     assert replicas["llama-8b"]["metadata"]["namespace"] == NAMESPACE
     # Namespaced operator: a Role in the watched namespace, no ClusterRole for it.
     assert f"{FULLNAME}-operator" not in objects(docs, "ClusterRole")
@@ -273,7 +284,8 @@ def test_external_postgres_and_nats(rendered: dict[str, list[dict[str, Any]]]) -
 
 def test_tracing_on(rendered: dict[str, list[dict[str, Any]]]) -> None:
     docs = rendered["tracing-values"]
-    collector = f"http://{FULLNAME}-otel-collector:4317"
+    # Fully qualified: member pods in any namespace reach it (issue 17).
+    collector = f"http://{FULLNAME}-otel-collector.{NAMESPACE}.svc.cluster.local:4317"
     config = yaml.safe_load(
         one(docs, "ConfigMap", f"{FULLNAME}-otel-collector")["data"]["config.yaml"]
     )
@@ -287,7 +299,9 @@ def test_tracing_on(rendered: dict[str, list[dict[str, Any]]]) -> None:
     operator = one(docs, "Deployment", f"{FULLNAME}-operator")["spec"]["template"]["spec"]
     assert env(operator["containers"][0])["CACHEPOINT_OPERATOR_OTLP_ENDPOINT"] == collector
     tiny = one(docs, "CacheReplica", "tiny")["spec"]
-    assert tiny["image"] == "cachepoint-replica-cpu:0.1.0"  # gpusPerPod 0: the CPU image
+    assert (
+        tiny["image"] == "ghcr.io/cachepoint/cachepoint-replica-cpu:0.1.0"
+    )  # gpusPerPod 0: the CPU image
 
 
 def test_helm_test_pod_calls_the_gateway_health_endpoint(

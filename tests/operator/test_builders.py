@@ -221,7 +221,7 @@ def test_a_new_internal_token_rolls_the_members() -> None:
     base = template_hash(make_spec(), SECURE)
     other = SECURE.model_copy(update={"internal_token": SecretStr("other")})
     assert template_hash(make_spec(), other) != base
-    assert "s3cr3t-t0k3n" not in str(SECURE.pod_fingerprint())
+    assert "s3cr3t-t0k3n" not in str(SECURE.token_digest())
 
 
 def test_member_passwords_are_kept_made_and_dropped() -> None:

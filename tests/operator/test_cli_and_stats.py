@@ -78,3 +78,23 @@ async def test_poll_sends_the_internal_token(stats_server: StatsServer) -> None:
     assert "401" in without["r-0"]
     assert isinstance((await poll(urls, timeout=2.0, token="wrong"))["r-0"], str)
     assert isinstance((await poll(urls, timeout=2.0, token=INTERNAL_TOKEN))["r-0"], ReplicaStats)
+
+
+def test_peering_instances_never_tie_on_priority(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kopf pauses every instance that ties the highest priority: two operator replicas
+    with one default priority would both stand by, so each draws its own."""
+    import kopf
+
+    from cachepoint.operator import main as operator_main
+
+    drawn = {parse_args(["-A", "--peering", "cp"]).priority for _ in range(20)}
+    assert len(drawn) > 1 and all(1 <= p <= 32767 for p in drawn)
+    assert parse_args(["-A", "--peering", "cp", "--priority", "7"]).priority == 7
+    assert parse_args(["-A"]).priority == 0  # standalone: no peering, no priority
+    with pytest.raises(SystemExit):
+        parse_args(["-A", "--priority", "7"])
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(kopf, "run", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(kopf, "configure", lambda **kw: None)
+    assert operator_main.main(["-A", "--peering", "cp", "--priority", "5"]) == 0
+    assert seen["priority"] == 5 and seen["peering_name"] == "cp" and seen["standalone"] is False

@@ -10,6 +10,7 @@ import kmock
 from .conftest import (
     EVENTS,
     NAMESPACE,
+    PDBS,
     PODS,
     SERVICES,
     Cluster,
@@ -60,7 +61,7 @@ async def test_apply_creates_gpu_members_and_service(cluster: Cluster, operator:
 
 
 def _child_writes(cluster: Cluster) -> list[Any]:
-    children = (kmock.resource(PODS), kmock.resource(SERVICES))
+    children = (kmock.resource(PODS), kmock.resource(SERVICES), kmock.resource(PDBS))
     writes = (kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE)
     return [
         r
@@ -76,7 +77,7 @@ async def test_a_restarted_operator_changes_nothing(cluster: Cluster, kubelet: N
             lambda: _condition(cluster.get("llama"), "Ready").get("status") == "True", "Ready"
         )
     before = len(_child_writes(cluster))
-    assert before >= 3  # two pods and the Service were written the first time
+    assert before >= 4  # two pods, the Service and the budget were written the first time
     # The resume handler runs the same reconcile on the settled object: a no-op.
     async with running_operator() as runner:
         await asyncio.sleep(1.0)  # resume, then five timer ticks and retry delays
@@ -181,7 +182,10 @@ async def test_delete_removes_children_then_releases_the_finalizer(
 async def test_bad_spec_is_degraded_once_without_crash_loop(
     cluster: Cluster, operator: Any
 ) -> None:
-    await cluster.create(cache_replica("llama", tensorParallelSize=4, gpusPerPod=2))
+    # NOTE: one the CRD's own rules cannot see (they reject TP above gpusPerPod at the
+    # API): the heads come from the checkpoint, only the operator checks them.
+    model = {"name": "llama-3-8b", "numAttentionHeads": 3}
+    await cluster.create(cache_replica("llama", tensorParallelSize=2, gpusPerPod=2, model=model))
     degraded = await cluster.wait(
         lambda: (
             _condition(cluster.get("llama"), "Degraded").get("status") == "True"
@@ -190,7 +194,7 @@ async def test_bad_spec_is_degraded_once_without_crash_loop(
         "Degraded",
     )
     assert degraded["reason"] == "InvalidSpec"
-    assert "gpusPerPod is 2" in degraded["message"]
+    assert "does not divide model.numAttentionHeads 3" in degraded["message"]
     assert (cluster.get("llama") or {})["status"]["phase"] == "Degraded"
     await asyncio.sleep(1.0)  # five retry delays: a TemporaryError would have retried
     assert cluster.pods() == {}
@@ -199,7 +203,7 @@ async def test_bad_spec_is_degraded_once_without_crash_loop(
     assert rejected[0]["type"] == "Warning"
 
     # Fixing the spec is a new change: it is handled, and the condition clears.
-    await cluster.patch("llama", {"spec": {"gpusPerPod": 4}})
+    await cluster.patch("llama", {"spec": {"model": {"numAttentionHeads": 4}}})
     await cluster.wait(lambda: len(cluster.pods()) == 1, "the member once the spec is fixed")
     await cluster.wait(
         lambda: _condition(cluster.get("llama"), "Degraded").get("status") == "False",

@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
+from cachepoint.operator.config import OperatorConfig
+from cachepoint.operator.pod import template_hash
 from cachepoint.operator.spec import SpecError, check, parse_spec, spec_problems
 
 CRD = Path(__file__).parents[2] / "charts/cachepoint/crds/cachereplicas.cachepoint.dev.yaml"
@@ -94,10 +96,11 @@ def test_eviction_names_equal_the_schemas_and_kvcores() -> None:
     assert parse_spec(MINIMAL).kv.eviction is None  # unset: the replica's own default
     with pytest.raises(SpecError, match="eviction"):
         parse_spec(with_value(("kv", "eviction"), "mru"))
-    # Unset, it is not part of the pod fingerprint (adding the field rolls nothing); set, it is.
-    assert "eviction" not in parse_spec(MINIMAL).template_fields()["kv"]
-    chosen = parse_spec(with_value(("kv", "eviction"), "lru")).template_fields()
-    assert chosen["kv"]["eviction"] == "lru"
+    # Unset, it changes no pod (adding the field rolls nothing); set, it does.
+    config = OperatorConfig()
+    unset = template_hash(parse_spec(MINIMAL), config)
+    assert unset == template_hash(parse_spec(with_value(("kv", "eviction"), None)), config)
+    assert unset != template_hash(parse_spec(with_value(("kv", "eviction"), "lru")), config)
 
 
 def test_required_fields_are_reported_with_their_path() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from cachepoint.operator.stats import BlockStats, ReplicaStats
-from cachepoint.operator.status import build_invalid_status, build_status
+from cachepoint.operator.status import build_invalid_status, build_status, set_condition
 
 HASH = "h1"
 
@@ -40,6 +40,7 @@ def build(
     previous: dict[str, Any] | None = None,
     desired: int = 2,
     now: str = "T1",
+    create_failures: list[str] | None = None,
 ) -> tuple[dict[str, Any], list[Any]]:
     return build_status(
         replica="r",
@@ -49,6 +50,7 @@ def build(
         stats=polled,
         previous=previous or {},
         now=now,
+        create_failures=create_failures,
     )
 
 
@@ -142,3 +144,46 @@ def test_an_invalid_spec_is_degraded_and_not_ready() -> None:
         "lastTransitionTime": "T1",
     }
     assert condition(status, "Ready")["status"] == "False"
+
+
+def evicted(index: int) -> dict[str, Any]:
+    failed = pod(index, ready=False)
+    failed["status"].update(
+        phase="Failed", reason="Evicted", message="The node was low on resource: memory."
+    )
+    return failed
+
+
+def test_a_failed_member_makes_the_replica_degraded_with_the_kubelets_reason() -> None:
+    status, _ = build([pod(0), evicted(1)], {}, previous=build([pod(0), pod(1)], {})[0])
+    assert status["phase"] == "Degraded"
+    degraded = condition(status, "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "MemberFailed")
+    assert degraded["message"] == "r-1 Failed: Evicted: The node was low on resource: memory."
+    assert status["members"][1]["phase"] == "Failed"
+    assert (status["readyReplicas"], condition(status, "Ready")["status"]) == (1, "False")
+
+
+def test_a_refused_child_create_is_degraded_with_the_apis_message() -> None:
+    message = 'create Pod r-1: 403 pods "r-1" is forbidden: exceeded quota: gpu'
+    status, _ = build([pod(0)], {}, create_failures=[message])
+    assert status["phase"] == "Degraded"
+    assert condition(status, "Degraded") | {"lastTransitionTime": "-"} == {
+        "type": "Degraded",
+        "status": "True",
+        "reason": "CreateFailed",
+        "message": message,
+        "lastTransitionTime": "-",
+    }
+
+
+def test_set_condition_replaces_one_and_keeps_the_others() -> None:
+    status, _ = build([pod(0), pod(1)], {}, now="T1")
+    conditions = set_condition(status["conditions"], "Degraded", True, "CreateFailed", "m", "T2")
+    assert {c["type"]: c["status"] for c in conditions} == {
+        "Ready": "True",
+        "Progressing": "False",
+        "Degraded": "True",
+    }
+    assert condition({"conditions": conditions}, "Degraded")["lastTransitionTime"] == "T2"
+    assert condition({"conditions": conditions}, "Ready") == condition(status, "Ready")

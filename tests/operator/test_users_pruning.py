@@ -17,6 +17,7 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from cachepoint.operator import credentials, handlers, kube
+from cachepoint.operator.members import Plan
 from cachepoint.operator.nats_auth import build_users_data, live_record_keys, prune_record
 
 from .conftest import NAMESPACE, USERS_SECRET, Cluster, cache_replica
@@ -181,8 +182,12 @@ async def test_a_timer_tick_does_not_write_back_users_of_an_object_deleted_meanw
     monkeypatch.setattr(credentials, "ensure_credentials", ensure_credentials)
     monkeypatch.setattr(kube, "get_cache_replica", lambda ns, name: deleting)
     monkeypatch.setattr(credentials, "sync_nats_users", lambda *a: writes.append(a))
-    monkeypatch.setattr(handlers.children, "converge_members", lambda *a, **k: writes.append(a))
-    monkeypatch.setattr(handlers.children, "owned_pods", lambda *a: [])
+
+    def converge_members(*args: Any, **kwargs: Any) -> Plan:
+        writes.append(args)
+        return Plan()
+
+    monkeypatch.setattr(handlers.children, "converge_members", converge_members)
     spec = cache_replica("llama", replicas=1)["spec"]
     await handlers.refresh_status(
         body=kopf.Body({**deleting, "spec": spec}),
@@ -194,6 +199,8 @@ async def test_a_timer_tick_does_not_write_back_users_of_an_object_deleted_meanw
         meta={"generation": 1},
         patch=kopf.Patch(),
         logger=logging.getLogger("test"),
+        memo=kopf.Memo(),
+        member_pods={},  # the pod index: no members yet
     )
     assert writes == []  # neither its users nor its pods come back
 
@@ -210,5 +217,7 @@ async def test_a_timer_tick_does_not_write_back_users_of_an_object_deleted_meanw
         meta={"generation": 1},
         patch=kopf.Patch(),
         logger=logging.getLogger("test"),
+        memo=kopf.Memo(),
+        member_pods={},  # the pod index: no members yet
     )
     assert len(writes) == 2 and writes[0][3] == {"llama-0": PASSWORD}
