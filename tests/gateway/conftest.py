@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Iterator
 
@@ -13,13 +14,10 @@ from cachepoint.gateway.db.session import make_engine, make_sessionmaker
 PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
-    """A fresh, empty database: SQLite (embedded default) and PostgreSQL (the cluster's)."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path}/ledger.db"
-        return
-    name = f"cp_test_{uuid.uuid4().hex[:12]}"
+@contextlib.contextmanager
+def postgres_database(prefix: str = "cp_test") -> Iterator[str]:
+    """A fresh, empty database on the local PostgreSQL, dropped afterwards; its URL."""
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
     admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
@@ -29,6 +27,16 @@ def db_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
+    """A fresh, empty database: SQLite (embedded default) and PostgreSQL (the cluster's)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path}/ledger.db"
+        return
+    with postgres_database() as url:
+        yield url
 
 
 @pytest.fixture

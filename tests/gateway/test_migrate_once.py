@@ -13,16 +13,15 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 
 import pytest
-from sqlalchemy import create_engine, inspect, text
+from sqlalchemy import inspect, text
 
 from cachepoint.gateway.db.migrate import DatabaseUnreachable, upgrade
 from cachepoint.gateway.db.session import make_engine
 
-from .conftest import PG_ADMIN
+from .conftest import postgres_database
 
 # One gateway pod's start, as a process of its own: connect, say "ready", wait for
 # "go" on stdin (so both start migrating at the same moment), migrate, print the DDL
@@ -52,16 +51,8 @@ print(json.dumps(ddl), flush=True)
 
 @pytest.fixture
 def pg_url() -> Iterator[str]:
-    name = f"cp_migrate_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    with postgres_database("cp_migrate") as url:
+        yield url
 
 
 def test_two_concurrent_migrators_both_succeed_and_migrate_once(pg_url: str) -> None:

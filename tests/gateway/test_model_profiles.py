@@ -101,13 +101,19 @@ def test_the_replica_payload_carries_the_models_stop_ids() -> None:
 
 @pytest.fixture
 def gateway(seeded_db, serve, tiny_engine):
+    from cachepoint.engine import Engine, EngineConfig, ModelConfig
     from cachepoint.gateway.app import create_app
     from cachepoint.scheduler.api.app import create_app as create_replica_app
     from cachepoint.scheduler.settings import ReplicaSettings
 
     db, keys = seeded_db
-    replica = serve(create_replica_app(ReplicaSettings(name="r0"), tiny_engine))
-    url = serve(create_app(_settings(database_url=db, replica_urls=[replica])))
+    # NOTE: one replica per model: the gateway routes a model only to replicas serving it.
+    tiny = serve(create_replica_app(ReplicaSettings(name="r0", model_name=TINY), tiny_engine))
+    wide_engine = Engine(
+        ModelConfig.tiny(), EngineConfig(kv_cache_bytes=32 * 2**20, max_model_len=4096)
+    )
+    wide = serve(create_replica_app(ReplicaSettings(name="r1", model_name=WIDE), wide_engine))
+    url = serve(create_app(_settings(database_url=db, replica_urls=[tiny, wide])))
     return url, {"x-api-key": keys["a"]}
 
 

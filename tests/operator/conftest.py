@@ -132,8 +132,9 @@ def kmock_options(kmock_options: dict[str, Any]) -> dict[str, Any]:
     return {**kmock_options, "cls": ApiServer}
 
 
-@pytest.fixture
-def cluster(kmock: ApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Cluster:
+def prepare_cluster(kmock: ApiServer, kubeconfig: Path) -> Cluster:
+    """Serve the resources the operator uses, the chart's CRDs and RBAC, and write a
+    kubeconfig for the operator's identity to `kubeconfig` (point KUBECONFIG at it)."""
     verbs = {"get", "list", "watch", "create", "patch", "update", "delete"}
     kmock.resources[CR] = ResourceInfo(
         kind="CacheReplica",
@@ -159,7 +160,7 @@ def cluster(kmock: ApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         kmock.install_crd(crd)
     authorizer = Authorizer.from_manifests(chart.rendered_rbac(), chart.OPERATOR_SERVICE_ACCOUNT)
     kmock.enable_rbac(authorizer, OPERATOR_API_TOKEN)
-    kubeconfig = {
+    config = {
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [{"name": "kmock", "cluster": {"server": str(kmock.url).rstrip("/")}}],
@@ -167,10 +168,16 @@ def cluster(kmock: ApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "test"}}],
         "current-context": "kmock",
     }
-    path = tmp_path / "kubeconfig"
-    path.write_text(yaml.safe_dump(kubeconfig))
-    monkeypatch.setenv("KUBECONFIG", str(path))
+    kubeconfig.write_text(yaml.safe_dump(config))
     return Cluster(kmock)
+
+
+@pytest.fixture
+def cluster(kmock: ApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Cluster:
+    path = tmp_path / "kubeconfig"
+    result = prepare_cluster(kmock, path)
+    monkeypatch.setenv("KUBECONFIG", str(path))
+    return result
 
 
 @contextlib.asynccontextmanager
@@ -205,40 +212,39 @@ async def operator(cluster: Cluster) -> AsyncIterator[Any]:
         yield runner
 
 
+async def run_kubelet(cluster: Cluster, period: float = 0.05) -> None:
+    """Plays the scheduler and the kubelet, until cancelled: every new pod is bound to a
+    node, starts, gets 127.0.0.1 as its IP and turns Ready; a deleted one stops and is
+    confirmed gone."""
+    while True:
+        for name, pod in cluster.pods().items():
+            if pod["metadata"].get("deletionTimestamp"):
+                # NOTE: the stub's containers stop at once on SIGTERM; the kubelet then
+                # confirms with a zero grace, which is what removes a terminating pod.
+                await cluster.server.confirm_termination(kmock.resource(PODS), NAMESPACE, name)
+                continue
+            if pod.get("status", {}).get("podIP"):
+                continue
+            if not pod.get("spec", {}).get("nodeName"):
+                # The scheduler's binding: with a node, a delete gets the grace period.
+                await cluster.server.patch(
+                    cluster.path(PODS, name), json={"spec": {"nodeName": "kmock-node"}}
+                )
+            status = {
+                "phase": "Running",
+                "podIP": "127.0.0.1",
+                "conditions": [{"type": "Ready", "status": "True"}],
+                "containerStatuses": [
+                    {"name": "replica", "ready": True, "restartCount": 0, "state": {}}
+                ],
+            }
+            await cluster.server.patch(cluster.path(PODS, name, "status"), json={"status": status})
+        await asyncio.sleep(period)
+
+
 @pytest.fixture
 async def kubelet(cluster: Cluster) -> AsyncIterator[None]:
-    """Plays the scheduler and the kubelet: every new pod is bound to a node, starts, gets
-    127.0.0.1 as its IP and turns Ready; a deleted one stops and is confirmed gone."""
-
-    async def run() -> None:
-        while True:
-            for name, pod in cluster.pods().items():
-                if pod["metadata"].get("deletionTimestamp"):
-                    # NOTE: the stub's containers stop at once on SIGTERM; the kubelet then
-                    # confirms with a zero grace, which is what removes a terminating pod.
-                    await cluster.server.confirm_termination(kmock.resource(PODS), NAMESPACE, name)
-                    continue
-                if pod.get("status", {}).get("podIP"):
-                    continue
-                if not pod.get("spec", {}).get("nodeName"):
-                    # The scheduler's binding: with a node, a delete gets the grace period.
-                    await cluster.server.patch(
-                        cluster.path(PODS, name), json={"spec": {"nodeName": "kmock-node"}}
-                    )
-                status = {
-                    "phase": "Running",
-                    "podIP": "127.0.0.1",
-                    "conditions": [{"type": "Ready", "status": "True"}],
-                    "containerStatuses": [
-                        {"name": "replica", "ready": True, "restartCount": 0, "state": {}}
-                    ],
-                }
-                await cluster.server.patch(
-                    cluster.path(PODS, name, "status"), json={"status": status}
-                )
-            await asyncio.sleep(0.05)
-
-    task = asyncio.create_task(run())
+    task = asyncio.create_task(run_kubelet(cluster))
     yield
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):

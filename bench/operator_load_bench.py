@@ -1,0 +1,158 @@
+"""The operator's load on the Kubernetes API at rest: N CacheReplicas, every member
+Ready and its /v1/stats steady, counted per verb over a window (issue 17).
+
+Before issue 17 every timer tick LISTed the pods of its CacheReplica twice and patched
+status whatever changed: 2 LIST and 1 PATCH per CacheReplica per `statsInterval`
+(10 s in the chart), so 200 CacheReplicas made 40 LIST/s and 20 writes/s. Now the
+pods come from one watch (a kopf index) and status is written only when it changed.
+
+It runs the real operator (kopf, as `kopf run -A`) against the emulated API server of
+tests/operator (RBAC from the chart, the CRD's schema), a fake kubelet that makes every
+pod Ready, and one stub replica answering every member's /v1/stats. Only the
+operator's own requests are counted (its bearer token), after every CacheReplica has
+settled.
+
+    .venv/bin/python bench/operator_load_bench.py --replicas 200 --window 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import kmock  # noqa: E402
+
+from tests.operator.conftest import (  # noqa: E402
+    CR,
+    Cluster,
+    StatsServer,
+    cache_replica,
+    prepare_cluster,
+    run_kubelet,
+    running_operator,
+)
+from tests.operator.emulator import ApiServer  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--replicas", type=int, default=200, help="CacheReplicas (default 200)")
+    p.add_argument("--members", type=int, default=1, help="members each (default 1)")
+    p.add_argument("--interval", type=float, default=10.0, help="the status timer, s (chart: 10)")
+    p.add_argument("--window", type=float, default=60.0, help="seconds counted (default 60)")
+    p.add_argument(
+        "--settle-timeout", type=float, default=600.0, help="give up settling after this, s"
+    )
+    args = p.parse_args(argv)
+    if args.replicas < 1 or args.members < 1 or args.interval <= 0 or args.window <= 0:
+        p.error("--replicas and --members must be >= 1, --interval and --window > 0")
+    return args
+
+
+def _verb(request: Any) -> str:
+    action = str(request.action.value).lower() if request.action else "?"
+    return {"fetch": "get", "update": "patch"}.get(action, action)
+
+
+def operator_requests(server: ApiServer) -> list[Any]:
+    return [r for r in server if server.from_operator(r)]
+
+
+def settled(cluster: Cluster, n: int, members: int) -> int:
+    done = 0
+    for obj in cluster.list(CR):
+        status = obj.get("status") or {}
+        if status.get("readyReplicas") == members and status.get("members"):
+            done += 1
+    return done
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    # NOTE: the timer's interval is read when the handlers are imported (kopf
+    # decorators): set it before running_operator imports them.
+    os.environ["CACHEPOINT_OPERATOR_STATS_INTERVAL"] = str(args.interval)
+    os.environ["CACHEPOINT_OPERATOR_STATS_TIMEOUT"] = "2"
+    stats = StatsServer()
+    thread = threading.Thread(target=stats.httpd.serve_forever, daemon=True)
+    thread.start()
+    tmp = Path(tempfile.mkdtemp(prefix="operator-load-"))
+    async with ApiServer() as server, kmock.Server(server):
+        cluster = prepare_cluster(server, tmp / "kubeconfig")
+        os.environ["KUBECONFIG"] = str(tmp / "kubeconfig")
+        kubelet = asyncio.create_task(run_kubelet(cluster, period=0.5))
+        try:
+            async with running_operator():
+                t0 = time.monotonic()
+                for i in range(args.replicas):
+                    body = cache_replica(f"r{i:04d}", replicas=args.members, port=stats.port)
+                    await cluster.create(body)
+                last = -1
+                while (done := settled(cluster, args.replicas, args.members)) < args.replicas:
+                    if time.monotonic() - t0 > args.settle_timeout:
+                        raise SystemExit(f"only {done}/{args.replicas} settled in time")
+                    if done != last:
+                        print(f"  settling: {done}/{args.replicas}", file=sys.stderr)
+                        last = done
+                    await asyncio.sleep(1.0)
+                settle_s = time.monotonic() - t0
+                # One more interval so every timer has seen its settled status once.
+                await asyncio.sleep(args.interval * 1.5)
+                before = len(operator_requests(server))
+                w0 = time.monotonic()
+                await asyncio.sleep(args.window)
+                window = time.monotonic() - w0
+                counted = operator_requests(server)[before:]
+        finally:
+            kubelet.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await kubelet
+    stats.httpd.shutdown()
+    by_verb = collections.Counter(_verb(r) for r in counted)
+    by_resource = collections.Counter(
+        f"{_verb(r)} {r.resource.plural}{'/' + r.subresource if r.subresource else ''}"
+        for r in counted
+    )
+    return {"settle_s": settle_s, "window": window, "by_verb": by_verb, "by_res": by_resource}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    print(
+        f"operator API load: {args.replicas} CacheReplicas x {args.members} member(s), "
+        f"status timer {args.interval:g} s, window {args.window:g} s"
+    )
+    result = asyncio.run(bench(args))
+    w = result["window"]
+    print(f"settled in {result['settle_s']:.1f} s")
+    print(f"{'verb':<8} {'requests':>9} {'per s':>8}")
+    for verb in ("list", "watch", "get", "create", "patch", "delete"):
+        n = result["by_verb"].get(verb, 0)
+        print(f"{verb:<8} {n:>9} {n / w:>8.2f}")
+    writes = sum(result["by_verb"].get(v, 0) for v in ("create", "patch", "delete"))
+    print(f"{'writes':<8} {writes:>9} {writes / w:>8.2f}")
+    old_lists = 2 * args.replicas / args.interval
+    old_writes = args.replicas / args.interval
+    print(
+        f"before issue 17 (2 LIST + 1 status PATCH per tick): {old_lists:.1f} LIST/s, "
+        f"{old_writes:.1f} writes/s"
+    )
+    print("by resource:")
+    for key, n in sorted(result["by_res"].items(), key=lambda kv: -kv[1]):
+        print(f"  {key:<40} {n:>7} {n / w:>8.2f}/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
