@@ -8,7 +8,6 @@ against cachepoint.operator.spec.check.
 
 from __future__ import annotations
 
-import copy
 import types
 import typing
 from pathlib import Path
@@ -21,6 +20,8 @@ from pydantic import BaseModel
 from pydantic.alias_generators import to_camel
 
 from cachepoint.operator.spec import ReplicaSpec, SpecError, check
+
+from .apiserver.schema import apply_defaults
 
 CRD = Path(__file__).parents[2] / "charts/cachepoint/crds/cachereplicas.cachepoint.dev.yaml"
 MINIMAL = {"image": "replica:1", "model": {"name": "m"}}
@@ -43,19 +44,6 @@ def rules_in(schema: dict[str, Any], path: str = "") -> list[tuple[str, dict[str
         if isinstance(schema.get(key), dict):
             found += rules_in(schema[key], f"{path}[*]")
     return found
-
-
-def defaulted(value: Any, schema: dict[str, Any]) -> Any:
-    """What the API server validates: the object with the schema's defaults filled in."""
-    if not isinstance(value, dict) or "properties" not in schema:
-        return value
-    result = dict(value)
-    for key, prop in schema["properties"].items():
-        if key not in result and "default" in prop:
-            result[key] = copy.deepcopy(prop["default"])
-        if key in result:
-            result[key] = defaulted(result[key], prop)
-    return result
 
 
 def violations(value: Any, schema: dict[str, Any]) -> list[str]:
@@ -83,7 +71,7 @@ def evaluate(name: str, spec: dict[str, Any]) -> list[str]:
         "spec": spec,
     }
     schema = root_schema()
-    return violations(defaulted(obj, schema), schema)
+    return violations(apply_defaults(obj, schema), schema)
 
 
 def test_every_rule_compiles_and_has_a_message() -> None:

@@ -14,6 +14,8 @@ from cachepoint.operator.config import OperatorConfig
 from cachepoint.operator.pod import template_hash
 from cachepoint.operator.spec import SpecError, check, parse_spec, spec_problems
 
+from .apiserver.schema import apply_defaults
+
 CRD = Path(__file__).parents[2] / "charts/cachepoint/crds/cachereplicas.cachepoint.dev.yaml"
 MINIMAL = {"image": "replica:1", "model": {"name": "m"}}
 
@@ -22,19 +24,6 @@ def spec_schema() -> dict[str, Any]:
     crd = yaml.safe_load(CRD.read_text())
     (version,) = crd["spec"]["versions"]
     return version["schema"]["openAPIV3Schema"]["properties"]["spec"]
-
-
-def apply_defaults(value: Any, schema: dict[str, Any]) -> Any:
-    """What the API server stores: schema defaults filled in wherever the parent exists."""
-    if not isinstance(value, dict) or "properties" not in schema:
-        return value
-    result = dict(value)
-    for key, prop in schema["properties"].items():
-        if key not in result and "default" in prop:
-            result[key] = copy.deepcopy(prop["default"])
-        if key in result:
-            result[key] = apply_defaults(result[key], prop)
-    return result
 
 
 def bounded_fields(schema: dict[str, Any], path: tuple[str, ...] = ()) -> Iterator[Any]:
