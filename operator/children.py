@@ -7,6 +7,7 @@ only the difference, so running it twice changes nothing the second time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import kopf
@@ -30,41 +31,46 @@ def owned_pods(namespace: str, replica: str, uid: str) -> list[dict[str, Any]]:
     return [p for p in kube.list_pods(namespace, selector_string(replica)) if kube.owned_by(p, uid)]
 
 
-def ensure_service(owner: kopf.Body, replica: str, namespace: str, spec: ReplicaSpec) -> str | None:
-    """Create the Service or bring its ports and selector back; what was done, if anything."""
-    desired = build_replica_service(replica=replica, namespace=namespace, spec=spec)
+def _ensure(
+    owner: kopf.Body,
+    desired: dict[str, Any],
+    kind: str,
+    get: Callable[[str, str], dict[str, Any] | None],
+    create: Callable[[dict[str, Any]], bool],
+    drift: Callable[[dict[str, Any], dict[str, Any]], list[dict[str, Any]]],
+    patch: Callable[[str, str, list[dict[str, Any]]], None],
+) -> str | None:
+    """Create `desired`, or patch what drifted back; what was done, if anything."""
     kopf.adopt(desired, owner=owner)
-    current = kube.get_service(namespace, service_name(replica))
+    namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
+    current = get(namespace, name)
     if current is None:
-        return "created" if kube.create_service(desired) else None
+        return "created" if create(desired) else None
     if not kube.owned_by(current, owner.metadata.uid or ""):
-        raise ForeignChild(
-            f"Service {service_name(replica)} already exists and is not this CacheReplica's"
-        )
-    ops = service_drift(current, desired)
+        raise ForeignChild(f"{kind} {name} already exists and is not this CacheReplica's")
+    ops = drift(current, desired)
     if ops:
-        kube.patch_service(namespace, service_name(replica), ops)
+        patch(namespace, name, ops)
         return "updated"
     return None
+
+
+def ensure_service(owner: kopf.Body, replica: str, namespace: str, spec: ReplicaSpec) -> str | None:
+    """Create the Service or bring its ports and selector back."""
+    desired = build_replica_service(replica=replica, namespace=namespace, spec=spec)
+    return _ensure(
+        owner, desired, "Service", kube.get_service, kube.create_service, service_drift,
+        kube.patch_service,
+    )  # fmt: skip
 
 
 def ensure_pdb(owner: kopf.Body, replica: str, namespace: str, spec: ReplicaSpec) -> str | None:
-    """Create the PodDisruptionBudget or bring its spec back; what was done, if anything."""
+    """Create the PodDisruptionBudget or bring its spec back."""
     desired = build_replica_pdb(replica=replica, namespace=namespace, spec=spec)
-    kopf.adopt(desired, owner=owner)
-    name = pdb_name(replica)
-    current = kube.get_pdb(namespace, name)
-    if current is None:
-        return "created" if kube.create_pdb(desired) else None
-    if not kube.owned_by(current, owner.metadata.uid or ""):
-        raise ForeignChild(
-            f"PodDisruptionBudget {name} already exists and is not this CacheReplica's"
-        )
-    ops = pdb_drift(current, desired)
-    if ops:
-        kube.patch_pdb(namespace, name, ops)
-        return "updated"
-    return None
+    return _ensure(
+        owner, desired, "PodDisruptionBudget", kube.get_pdb, kube.create_pdb, pdb_drift,
+        kube.patch_pdb,
+    )  # fmt: skip
 
 
 def converge_members(
