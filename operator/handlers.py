@@ -56,6 +56,9 @@ def _api_error(e: ApiException) -> kopf.TemporaryError:
     return kopf.TemporaryError(f"Kubernetes API: {e.status} {e.reason}", delay=CONFIG.retry_delay)
 
 
+TIMER_EXIT_POLL_S = 0.5
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Our own keys instead of kopf.zalando.org/*, and no status.kopf (the schema prunes it).
@@ -69,6 +72,10 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.scanning.disabled = True
     # Only our member pods travel on the pods watch stream, not every pod in the cluster.
     settings.watching.label_selectors["v1", "pods"] = f"{MANAGED_BY}={MEMBER_LABELS[MANAGED_BY]}"
+    # NOTE: a deletion waits for the status timer to exit, and a tick in flight (polling
+    # slow replicas) is re-checked only every `cancellation_polling` seconds: kopf's 60 s
+    # default held every such `kubectl delete` (and `helm uninstall`) for a minute.
+    settings.background.cancellation_polling = TIMER_EXIT_POLL_S
 
 
 @kopf.index("v1", "pods", labels=MEMBER_LABELS)
@@ -189,6 +196,10 @@ async def prune_users_forever(interval: float, logger: logging.Logger) -> None:
 @kopf.on.startup()
 async def start_pruner(memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     if CONFIG.maintains_nats_users:
+        # NOTE: kopf runs startup handlers before the login one, so without this the
+        # first prune ran on the client's default (or a stale) server and logged a
+        # connection-refused traceback at every start.
+        await asyncio.to_thread(kube.configure)
         log = logging.getLogger("cachepoint.operator.pruner")
         memo["pruner"] = asyncio.create_task(prune_users_forever(CONFIG.stats_interval, log))
         logger.info("pruning NATS users of deleted CacheReplicas")

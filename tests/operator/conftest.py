@@ -280,6 +280,8 @@ class StatsServer:
             "queued_prefill_tokens": 0,
             "max_waiting": 256,
         }
+        self.delay_s = 0.0  # how long /v1/stats takes to answer (a slow replica)
+        self.stats_calls = 0  # /v1/stats requests received, ever
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -290,6 +292,8 @@ class StatsServer:
                     self.send_error(401)
                     return
                 if self.path == "/v1/stats":
+                    owner.stats_calls += 1
+                    time.sleep(owner.delay_s)
                     body = json.dumps(owner.stats).encode()
                 elif self.path in ("/healthz", "/readyz"):
                     body = b"ok"

@@ -9,6 +9,7 @@ import copy
 from typing import Any
 
 import kmock
+import pytest
 
 from .conftest import (
     CR,
@@ -97,6 +98,28 @@ async def test_the_disruption_budget_follows_the_replica(cluster: Cluster, opera
     await cluster.delete("llama")
     await cluster.wait(lambda: cluster.get("llama") is None, "the CacheReplica gone")
     assert cluster.get("llama", PDBS) is None
+
+
+async def test_a_delete_does_not_wait_a_minute_for_a_status_tick_in_flight(
+    cluster: Cluster, stats_server: StatsServer, kubelet: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cachepoint.operator import handlers
+
+    from .conftest import running_operator
+
+    # A replica that takes 4 s to answer /v1/stats (within the poll's timeout): the
+    # timer's tick is still in flight when the deletion handler is done.
+    monkeypatch.setattr(handlers, "CONFIG", handlers.CONFIG.model_copy(update={"stats_timeout": 8}))
+    async with running_operator():
+        await cluster.create(cache_replica("llama", replicas=1, port=stats_server.port))
+        await cluster.wait(lambda: _ready(cluster, "llama"), "Ready")
+        stats_server.delay_s = 4.0
+        calls = stats_server.stats_calls
+        await cluster.wait(lambda: stats_server.stats_calls > calls, "a stats call in flight")
+        await cluster.delete("llama")
+        # kopf re-checks an exiting timer every `cancellation_polling` seconds: 60 by
+        # default, which held the finalizer (and `helm uninstall`) for a minute.
+        await cluster.wait(lambda: cluster.get("llama") is None, "the CacheReplica gone", 12)
 
 
 async def test_a_refused_create_shows_the_apis_message(cluster: Cluster) -> None:

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import re
 from typing import Any
 
 import celpy
 
 from .errors import FieldError
+
+# NOTE: kopf's --verbose puts the root logger at DEBUG, and celpy then logs every name it
+# resolves with the whole object printed: megabytes of captured log per operator test.
+logging.getLogger("celpy").setLevel(logging.WARNING)
 
 _OLD_SELF = re.compile(r"\boldSelf\b")
 _ENV = celpy.Environment()
