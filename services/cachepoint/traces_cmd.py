@@ -10,7 +10,6 @@ from rich.console import Console
 from rich.table import Table
 
 from cachepoint.telemetry.store import Trace, load_traces
-from cachepoint.telemetry.waterfall import png, table
 
 
 def add_traces_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -80,6 +79,8 @@ def show(
         time.sleep(0.2)
     if found is None:
         return False
+    from cachepoint.telemetry.waterfall import png, table  # matplotlib: only when drawing
+
     console.print(table(found))
     if png_path is not None:
         console.print(f"waterfall saved to {png(found, png_path)}")

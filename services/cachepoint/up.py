@@ -7,15 +7,18 @@ import signal
 import time
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
-import anthropic
 from rich.console import Console
 
 from cachepoint.scheduler.model_source import MODEL_PRESETS, RANDOM_MODEL_NAME
 from cachepoint.scheduler.random_model import BYTES, RANDOM_CONTEXT, TOKENIZER_CHOICES
 
-from .stack import Stack, StackError
-from .supervise import ChildEvent
+if TYPE_CHECKING:
+    from .supervise import ChildEvent
+
+# NOTE: the stack (the gateway's database layer) and the SDK are imported where they are
+# used: `cachepoint up --help` and a usage error answered in 6 s with them at the top.
 
 SNIPPET = """import anthropic
 client = anthropic.Anthropic(base_url="{base_url}", api_key="{api_key}")
@@ -134,6 +137,8 @@ def run_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.random_turn_tokens is not None and args.random_turn_tokens < 0:
         parser.error("--random-turn-tokens must be 0 or more")
     random_turn = 64 if args.random_turn_tokens is None else args.random_turn_tokens
+    from .stack import Stack, StackError
+
     # NOTE: piped output has no width; keep keys and tables whole for scripts and logs.
     console = Console(width=None if Console().is_terminal else 140)
     stack = Stack(
@@ -183,6 +188,8 @@ def run_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             SNIPPET.format(model=model, **ep), markup=False, highlight=False, soft_wrap=True
         )
         if args.demo:
+            import anthropic
+
             from .demo_session import print_report, run_session
 
             try:

@@ -38,6 +38,10 @@ class EntryTable:
             return None
         return entry
 
+    def live(self, now: float) -> list[CacheEntry]:
+        """Every entry still live at ``now``."""
+        return [e for e in self._entries.values() if e.expires_at > now]
+
     def put(self, entry: CacheEntry) -> None:
         self._entries[entry.key] = entry
         self._deadlines.push(entry.expires_at, entry)
