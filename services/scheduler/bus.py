@@ -21,9 +21,9 @@ from opentelemetry.trace import SpanKind
 from cachepoint.events import schema
 from cachepoint.events.connect import connect_forever
 from cachepoint.events.subjects import heartbeat_subject, kv_subject, snapshot_subject
-from cachepoint.kvcore import KVEvent, Tier
+from cachepoint.kvcore import KVEvent
 
-from .scheduler import Scheduler
+from .core import ReplicaCore
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class NatsBus:
 
     def __init__(
         self,
-        scheduler: Scheduler,
+        scheduler: ReplicaCore,
         nats_url: str,
         advertise_url: str,
         *,
@@ -147,24 +147,19 @@ class NatsBus:
         # Publish whatever the pool did since the last step first, so the snapshot's
         # seq covers exactly the index it carries.
         self.scheduler.flush_events()
+        held = self.scheduler.snapshot()
         snap = schema.Snapshot(
             v=schema.SCHEMA_VERSION,
             replica=self.scheduler.name,
             epoch=self.scheduler.epoch,
             seq=self.seq,
-            block_hashes=list(self.scheduler.pool.cached),
-            host_hashes=self._lower_hashes(Tier.HOST),
-            disk_hashes=self._lower_hashes(Tier.DISK),
+            block_hashes=list(held.get("device", ())),
+            host_hashes=list(held.get("host", ())),
+            disk_hashes=list(held.get("disk", ())),
         )
         await msg.respond(schema.encode(snap))
 
     # ------------------------------------------------------------ heartbeats
-
-    def _lower_hashes(self, tier: Tier) -> list[bytes]:
-        for store in self.scheduler.pool.lower or ():
-            if store.tier is tier:
-                return store.visible_hashes()
-        return []
 
     def heartbeat(self) -> schema.Heartbeat:
         s = self.scheduler
@@ -189,7 +184,7 @@ class NatsBus:
             hit_tokens=st.hit_tokens,
             query_tokens=st.query_tokens,
             # The router prices a lower-tier hit by these (copy time against recompute).
-            kv_bytes_per_token=s.engine.kv_block_bytes // s.block_size,
+            kv_bytes_per_token=s.kv_bytes_per_token,
             prefill_tokens_per_s=s.rates.prefill_tokens_per_s,
             host_read_bytes_per_s=s.rates.host_bytes_per_s,
             disk_read_bytes_per_s=s.rates.disk_bytes_per_s,
@@ -197,10 +192,17 @@ class NatsBus:
             draining=s.draining,
         )
 
+    @property
+    def serving(self) -> bool:
+        """Heartbeat only while requests can be served: not with a dead loop (issue 12),
+        nor while the engine restarts (the gateway would route into 503s)."""
+        s = self.scheduler
+        return s.alive and s.unavailable is None
+
     async def announce(self) -> None:
         """Publish a heartbeat now (a drain began: the gateway must not wait an interval)."""
         nc = self.nc
-        if nc is None or not nc.is_connected or not self.scheduler.alive:
+        if nc is None or not nc.is_connected or not self.serving:
             return
         await nc.publish(heartbeat_subject(self.scheduler.name), schema.encode(self.heartbeat()))
         await nc.flush(timeout=2)
@@ -210,7 +212,7 @@ class NatsBus:
             nc = self.nc
             # NOTE: a replica whose scheduler loop died must drop out of routing: no
             # heartbeat from it, however healthy its NATS connection (issue 12).
-            if nc is not None and nc.is_connected and self.scheduler.alive:
+            if nc is not None and nc.is_connected and self.serving:
                 with contextlib.suppress(Exception):
                     subject = heartbeat_subject(self.scheduler.name)
                     await nc.publish(subject, schema.encode(self.heartbeat()))

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from .core import ReplicaCore
 from .requestlog import LOGGER
-from .scheduler import Scheduler
 
 log = logging.getLogger(f"{LOGGER}.drain")
 
@@ -93,7 +93,7 @@ class Drainer:
     """Drains one replica: its scheduler, its in-flight calls, its heartbeat."""
 
     def __init__(
-        self, scheduler: Scheduler, in_flight: InFlight, announce: Announce | None = None
+        self, scheduler: ReplicaCore, in_flight: InFlight, announce: Announce | None = None
     ) -> None:
         self.scheduler = scheduler
         self.in_flight = in_flight

@@ -10,7 +10,7 @@ from prometheus_client.registry import Collector
 
 from cachepoint.kvcore import CacheStats
 
-from .scheduler import Scheduler
+from .core import ReplicaCore
 from .sequence import SequenceState
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -19,7 +19,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 class _PoolCollector(Collector):
     """Reads kvcore's counters at scrape time, so they are exact, never sampled."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: ReplicaCore) -> None:
         self.scheduler = scheduler
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
@@ -103,7 +103,7 @@ class _PoolCollector(Collector):
         )
 
     @staticmethod
-    def _tiers(s: Scheduler, st: CacheStats) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    def _tiers(s: ReplicaCore, st: CacheStats) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         """Per tier behind the device: occupancy, and blocks and bytes moved."""
         tier_labels = ["replica", "tier"]
         held = GaugeMetricFamily(
@@ -142,7 +142,7 @@ class _PoolCollector(Collector):
 class ReplicaMetrics:
     """Histograms and counters observed as requests finish."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: ReplicaCore) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_PoolCollector(scheduler))
         self.requests = Counter(

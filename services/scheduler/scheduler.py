@@ -18,7 +18,6 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from opentelemetry import context as otel_context
@@ -51,6 +50,7 @@ from cachepoint.kvcore import (
 )
 
 from . import admission
+from .core import DeathHook, EventSink, FinishHook
 from .errors import (
     CancelledRequestError,
     DrainingError,
@@ -63,16 +63,11 @@ from .errors import (
 )
 from .rates import Rates
 from .schemas import CacheReport, GenerateRequest, GenerateResponse, Timings
-from .sequence import PrefillDone, SeqStatus, SequenceState, TokenEvent
+from .sequence import PrefillDone, SeqStatus, SequenceState
 from .settings import ReplicaSettings
+from .stopping import TurnEnd, append_token
 
 log = logging.getLogger(__name__)
-
-
-class EventSink(Protocol):
-    """Where kv events go after each step (the NATS publisher in the cluster)."""
-
-    def publish(self, epoch: int, events: list[KVEvent]) -> None: ...
 
 
 class CountingSink:
@@ -101,10 +96,6 @@ class StepBatch:
         return [s for s, _ in self.prefills] + [s for s, _ in self.decodes]
 
 
-FinishHook = Callable[[SequenceState], None]
-DeathHook = Callable[[BaseException], None]
-
-
 class Scheduler:
     """Owns the replica's kvcore pool and drives its engine."""
 
@@ -128,7 +119,11 @@ class Scheduler:
         self.block_size = engine.block_size
         self.max_model_len = engine.max_model_len
         # The random model's turn length (0 = none); a checkpoint ends its own turns.
-        self._random_turn = settings.random_turn_tokens if engine.model_dir is None else 0
+        self._turn_end = TurnEnd(
+            engine.eos_ids,
+            engine.eos_id,
+            settings.random_turn_tokens if engine.model_dir is None else 0,
+        )
         blocks = engine.num_blocks if num_blocks is None else num_blocks
         least = -(-engine.max_model_len // engine.block_size)
         if not least <= blocks <= engine.num_blocks:
@@ -189,6 +184,20 @@ class Scheduler:
     @property
     def alive(self) -> bool:
         return self._task is not None and not self._task.done()
+
+    @property
+    def unavailable(self) -> str | None:
+        return None  # the engine lives in this process: it is up while the loop is
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.engine.kv_block_bytes // self.block_size
+
+    def snapshot(self) -> dict[str, list[BlockHash]]:
+        out: dict[str, list[BlockHash]] = {"device": list(self.pool.cached)}
+        for store in self.pool.lower or ():
+            out[str(store.tier)] = store.visible_hashes()
+        return out
 
     async def stop(self) -> None:
         """Finish every request with an error, return every block, stop the loop."""
@@ -861,28 +870,7 @@ class Scheduler:
         span.end()
 
     def _append_token(self, seq: SequenceState, token: int) -> None:
-        eos = self.engine.eos_id
-        if (
-            self._random_turn
-            and eos is not None
-            and not seq.params.ignore_eos
-            and len(seq.output) + 1 >= self._random_turn
-        ):
-            # NOTE: the random model "samples" EOS here: a turn that ends as a real
-            # model's does (end_turn, EOS as the last token), not a max_tokens stop.
-            token = eos
-        seq.output.append(token)
-        if (
-            token in self.engine.eos_ids and not seq.params.ignore_eos
-        ) or token in seq.params.stop_token_ids:
-            seq.stop_reason = "end_turn"
-        elif seq.stopper.append(token) is not None:
-            seq.stop_reason = "stop_sequence"
-        elif len(seq.output) >= seq.params.max_tokens or seq.context_full:
-            seq.stop_reason = "max_tokens"
-        final = seq.stop_reason is not None
-        seq.stream.put_nowait(TokenEvent(token, seq.stopper.delta(final=final)))
-        if final:
+        if append_token(seq, token, self._turn_end):
             self._finish(seq)
 
     def _finish(self, seq: SequenceState, error: Exception | None = None) -> None:

@@ -13,8 +13,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from .core import ReplicaCore
 from .requestlog import LOGGER
-from .scheduler import Scheduler, StepBatch
+from .scheduler import StepBatch
 
 log = logging.getLogger(f"{LOGGER}.watchdog")
 
@@ -37,7 +38,7 @@ def _inject(batch: StepBatch) -> None:
     raise InjectedFault(f"injected scheduler loop fault ({FAULT_ENV}=loop)")
 
 
-def arm(scheduler: Scheduler, state: Any) -> None:
+def arm(scheduler: ReplicaCore, state: Any) -> None:
     """Watch ``scheduler``; on loop death call ``state.request_exit(EXIT_LOOP_DIED)``.
 
     ``state`` is the app's state; ``cachepoint.serve`` puts ``request_exit`` there. It

@@ -7,9 +7,9 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from ..core import ReplicaCore
 from ..errors import SchedulerError
 from ..metrics import ReplicaMetrics
-from ..scheduler import Scheduler
 
 
 class UnauthorizedError(SchedulerError):
@@ -19,8 +19,8 @@ class UnauthorizedError(SchedulerError):
     status = 401
 
 
-def get_scheduler(request: Request) -> Scheduler:
-    scheduler: Scheduler = request.app.state.scheduler
+def get_scheduler(request: Request) -> ReplicaCore:
+    scheduler: ReplicaCore = request.app.state.scheduler
     return scheduler
 
 
@@ -35,7 +35,7 @@ def require_internal_token(request: Request) -> None:
     Without a configured token the replica is open (tests, a laptop); the chart and the
     embedded stack always set one, so billing cannot be skipped by calling a replica.
     """
-    scheduler: Scheduler = request.app.state.scheduler
+    scheduler: ReplicaCore = request.app.state.scheduler
     expected = scheduler.settings.internal_token
     if expected is None:
         return
@@ -48,5 +48,5 @@ def require_internal_token(request: Request) -> None:
         raise UnauthorizedError("missing or wrong internal token")
 
 
-SchedulerDep = Annotated[Scheduler, Depends(get_scheduler)]
+SchedulerDep = Annotated[ReplicaCore, Depends(get_scheduler)]
 MetricsDep = Annotated[ReplicaMetrics, Depends(get_metrics)]

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
+from ...core import ReplicaCore
 from ...errors import CancelledRequestError, SchedulerError
-from ...scheduler import Scheduler
 from ...schemas import GenerateRequest, GenerateResponse
 from ...sequence import PrefillDone, SequenceState, TokenEvent
 from ..deps import SchedulerDep, require_internal_token
@@ -22,7 +22,7 @@ _DISCONNECT_POLL_S = 0.2
 
 
 async def _until(
-    aw: asyncio.Future[object], seq: SequenceState, request: Request, scheduler: Scheduler
+    aw: asyncio.Future[object], seq: SequenceState, request: Request, scheduler: ReplicaCore
 ) -> object:
     """Await ``aw``; if the client disconnects first, abort the request."""
     try:
@@ -46,7 +46,7 @@ def _line(obj: object) -> bytes:
 
 
 async def _stream(
-    seq: SequenceState, first: PrefillDone, scheduler: Scheduler
+    seq: SequenceState, first: PrefillDone, scheduler: ReplicaCore
 ) -> AsyncIterator[bytes]:
     try:
         yield _line({"type": "prefill_done", "cache": first.cache.model_dump()})

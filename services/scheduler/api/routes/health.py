@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ...scheduler import Scheduler
+from ...core import ReplicaCore
 from ..deps import MetricsDep, SchedulerDep
 
 router = APIRouter(tags=["health"])
@@ -19,7 +19,7 @@ async def healthz(scheduler: SchedulerDep) -> JSONResponse:
     return JSONResponse({"status": "ok" if ok else "scheduler loop stopped"}, 200 if ok else 503)
 
 
-def _not_ready_reason(scheduler: Scheduler | None) -> str | None:
+def _not_ready_reason(scheduler: ReplicaCore | None) -> str | None:
     # NOTE: readiness is "loaded and serving", never load: a full queue answers 429 and
     # shows in the heartbeats' waiting/max_waiting, which the gateway routes by. A probe
     # that failed on load took every busy pod out at once in a rolling update, and one
@@ -31,6 +31,8 @@ def _not_ready_reason(scheduler: Scheduler | None) -> str | None:
         return f"scheduler loop died ({type(exc).__name__}: {exc}); the process is exiting"
     if not scheduler.alive:
         return "scheduler loop stopped"
+    if scheduler.unavailable is not None:
+        return scheduler.unavailable
     if scheduler.draining:
         return "draining: the replica is going away and takes no new requests"
     return None
@@ -41,7 +43,7 @@ async def readyz(request: Request) -> JSONResponse:
     """Ready to take traffic: the engine is loaded, the scheduler loop runs and the
     replica is not draining. A dead loop fails this at once, before the process exits
     (issue 12). A full queue does not: overload is the router's business (issue 17)."""
-    scheduler: Scheduler | None = getattr(request.app.state, "scheduler", None)
+    scheduler: ReplicaCore | None = getattr(request.app.state, "scheduler", None)
     reason = _not_ready_reason(scheduler)
     body: dict[str, object] = {"status": "ready" if reason is None else "not ready"}
     if scheduler is not None:

@@ -1,0 +1,96 @@
+"""What the replica's API, event bus, metrics and drain need from a scheduler.
+
+Two schedulers implement it: `Scheduler` (kvcore's own pool, the torch engine) and
+`VllmScheduler` (vLLM's engine, with a kvcore mirror of its pool). Everything above them
+is shared, so a vLLM replica serves the same API and events as a torch one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sized
+from typing import Any, Protocol
+
+from opentelemetry import trace
+
+from cachepoint.kvcore import BlockHash, CacheStats, KVEvent
+
+from .rates import Rates
+from .schemas import GenerateRequest, GenerateResponse
+from .sequence import SequenceState
+from .settings import ReplicaSettings
+
+
+class EventSink(Protocol):
+    """Where kv events go after each step (the NATS publisher in the cluster)."""
+
+    def publish(self, epoch: int, events: list[KVEvent]) -> None: ...
+
+
+FinishHook = Callable[[SequenceState], None]
+DeathHook = Callable[[BaseException], None]
+
+
+class ReplicaCore(Protocol):
+    """A replica's scheduler, as the layers above it see it."""
+
+    settings: ReplicaSettings
+    name: str  # the replica's name in the fleet
+    model: str  # the served model id
+    epoch: int  # new at every (re)start of the engine's cache
+    block_size: int  # tokens per KV block
+    max_model_len: int  # longest sequence, prompt and output
+    draining: bool  # going away: takes no new requests (set by the Drainer)
+    failure: BaseException | None  # what killed the loop, if it died
+    preemptions: int  # running sequences whose KV was taken back, ever
+    copied_blocks: int  # blocks copied between KV tiers, ever
+    copy_s: float  # seconds spent on those copies, ever
+    waiting: Sized  # requests queued, not yet computing
+    running: Sized  # requests computing
+    rates: Rates  # measured speeds, for the router
+    sink: EventSink  # where kv events go
+    tracer: trace.Tracer
+    on_finish: FinishHook | None
+    on_death: DeathHook | None
+    # a test hook: called with each step's work outside every per-request guard, so
+    # raising in it kills the loop (watchdog.py)
+    fault_hook: Callable[[Any], None] | None
+
+    @property
+    def alive(self) -> bool:
+        """The scheduling loop runs (False: the process must be restarted)."""
+        ...
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why no request can be served right now though the loop runs (an engine
+        restarting), or None. Readiness fails and heartbeats stop meanwhile."""
+        ...
+
+    @property
+    def queued_prefill_tokens(self) -> int: ...
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one KV block across every TP rank."""
+        ...
+
+    @property
+    def kv_bytes_per_token(self) -> int: ...
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def submit(self, req: GenerateRequest) -> SequenceState: ...
+
+    def cancel(self, seq: SequenceState) -> None: ...
+
+    def result(self, seq: SequenceState) -> GenerateResponse: ...
+
+    def cache_stats(self) -> CacheStats: ...
+
+    def flush_events(self) -> int: ...
+
+    def snapshot(self) -> dict[str, list[BlockHash]]:
+        """Every hash the engine holds now, by tier ("device", "host", "disk")."""
+        ...
