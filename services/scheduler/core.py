@@ -77,6 +77,22 @@ class ReplicaCore(Protocol):
     @property
     def kv_bytes_per_token(self) -> int: ...
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids must be below this."""
+        ...
+
+    @property
+    def device(self) -> str:
+        """Where the KV lives: "cpu", "cuda:0", ..."""
+        ...
+
+    @property
+    def lapsed_entries(self) -> int:
+        """Entries whose blocks the engine evicted before their TTL, ever (0 where
+        retention is guaranteed)."""
+        ...
+
     def start(self) -> None: ...
 
     async def stop(self) -> None: ...

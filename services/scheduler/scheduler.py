@@ -193,6 +193,18 @@ class Scheduler:
     def kv_bytes_per_token(self) -> int:
         return self.engine.kv_block_bytes // self.block_size
 
+    @property
+    def lapsed_entries(self) -> int:
+        return 0  # kvcore retains an entry's blocks until its TTL: none ever lapse
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def device(self) -> str:
+        return str(self.engine.device)
+
     def snapshot(self) -> dict[str, list[BlockHash]]:
         out: dict[str, list[BlockHash]] = {"device": list(self.pool.cached)}
         for store in self.pool.lower or ():

@@ -113,6 +113,12 @@ class CacheReport(BaseModel):
     written_1h_tokens: int  # B - A: written under a 1h entry
     retention_refused: bool  # a breakpoint could not be retained; billed as input
     refusal_reason: str | None = None
+    # guaranteed: written entries keep their blocks until the TTL (kvcore retention);
+    # best_effort: the engine evicts by its own policy (vLLM), so an entry may be gone
+    # sooner, and a later request then pays a write again instead of a read
+    retention: Literal["guaranteed", "best_effort"] = "guaranteed"
+    retention_reason: str | None = None  # why retention is best effort here
+    scope_narrowed: bool = False  # a shared (global) prefix was cached per org here
 
 
 class Timings(BaseModel):
@@ -188,6 +194,8 @@ class StatsResponse(BaseModel):
     copied_blocks: int = 0  # blocks copied between tiers by the engine, ever
     copy_seconds: float = 0.0  # engine time spent on those copies, ever
     draining: bool = False  # going away: the gateway routes nothing new here
+    engine: Literal["torch", "vllm"] = "torch"  # what computes the KV
+    lapsed_entries: int = 0  # entries whose blocks the engine evicted before the TTL, ever
 
 
 # NOTE: an hour: longer than any pod's termination grace, so a typo (seconds read as

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -61,6 +62,12 @@ class ReplicaSettings(BaseSettings):
     )
 
     name: str = Field("replica-0", description="replica name, unique in the fleet")
+    engine: Literal["torch", "vllm"] = Field(
+        "torch",
+        description="what computes the KV: torch (Cachepoint's engine, kvcore's own pool "
+        "with TTL retention) or vllm (vLLM's engine in this process's venv; a kvcore mirror "
+        "of its pool keeps entries, billing and events; retention is best effort)",
+    )
     host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(8100, ge=0, le=65535, description="HTTP port (0 = any free port)")
     model_dir: Path | None = Field(
@@ -186,6 +193,17 @@ class ReplicaSettings(BaseSettings):
         "(dev only)",
     )
 
+    vllm_export_dir: Path | None = Field(
+        None,
+        description="where the vllm engine keeps HF folders exported from random weights "
+        "or a GGUF file (reused across starts); default $XDG_CACHE_HOME/cachepoint/hf-export",
+    )
+    vllm_enforce_eager: bool | None = Field(
+        None,
+        description="run vLLM without torch.compile and CUDA graphs; default: on for the "
+        "CPU (a compile costs minutes there), off on CUDA (graphs are much of its speed)",
+    )
+
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
@@ -267,6 +285,33 @@ class ReplicaSettings(BaseSettings):
     def tokenizer_path(self) -> Path | None:
         """The file or folder the random model's tokenizer comes from; None = bytes."""
         return tokenizer_source(self.tokenizer)
+
+    @model_validator(mode="after")
+    def _vllm(self) -> ReplicaSettings:
+        if self.engine != "vllm":
+            return self
+        # NOTE: each is a feature of kvcore's own pool, which vLLM does not have: refused
+        # by name rather than silently ignored (docs/vllm.md says what stands in).
+        if self.kv_host_bytes or self.kv_disk_bytes:
+            raise ValueError(
+                "kv_host_bytes and kv_disk_bytes are kvcore's tiers, which the vllm engine "
+                "does not have; a vLLM KV connector (LMCache) is the way to a host tier there "
+                "(docs/vllm.md)"
+            )
+        if self.eviction != DEFAULT_EVICTION:
+            raise ValueError(
+                f"eviction {self.eviction!r} is a kvcore policy; the vllm engine evicts by "
+                "its own LRU"
+            )
+        return self
+
+    @property
+    def export_dir(self) -> Path:
+        """Where exported HF folders for the vllm engine live."""
+        if self.vllm_export_dir is not None:
+            return self.vllm_export_dir
+        base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        return Path(base) / "cachepoint" / "hf-export"
 
     @model_validator(mode="after")
     def _nats_auth(self) -> ReplicaSettings:

@@ -18,11 +18,12 @@ from cachepoint.tokenizer import Tokenizer
 
 from .. import watchdog
 from ..bus import NatsBus
+from ..core import EventSink, ReplicaCore
 from ..draining import CountInFlight, Drainer, InFlight
 from ..metrics import ReplicaMetrics
 from ..random_model import RANDOM_CONTEXT, load_random_tokenizer, random_context
 from ..requestlog import LOGGER, RequestLog
-from ..scheduler import EventSink, Scheduler
+from ..scheduler import Scheduler
 from ..sequence import SequenceState
 from ..settings import ReplicaSettings
 from .errors import install_error_handlers
@@ -80,6 +81,17 @@ def _build_engine(settings: ReplicaSettings) -> Engine:
     return Engine(model, config=config, seed=settings.seed, tokenizer=tokenizer)
 
 
+async def _open_vllm(settings: ReplicaSettings, sink: EventSink | None) -> ReplicaCore:
+    """The vLLM engine's scheduler, its engine started (run only in vLLM's venv)."""
+    from ..vllm_engine.checkpoint import prepare
+    from ..vllm_engine.core import VllmScheduler
+
+    checkpoint = await asyncio.to_thread(prepare, settings)
+    scheduler = VllmScheduler(settings, checkpoint, sink=sink)
+    await scheduler.open()
+    return scheduler
+
+
 def random_model(preset: str, tokenizer: Tokenizer) -> ModelConfig:
     """A random preset shaped for ``tokenizer``: its vocabulary, BOS and EOS."""
     return PRESETS[preset](
@@ -121,9 +133,14 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         own = engine is None
-        eng = await asyncio.to_thread(build_engine, settings) if own else engine
-        assert eng is not None
-        scheduler = Scheduler(eng, settings, sink=sink)
+        eng: Engine | None = None
+        scheduler: ReplicaCore
+        if settings.engine == "vllm":
+            scheduler = await _open_vllm(settings, sink)
+        else:
+            eng = await asyncio.to_thread(build_engine, settings) if own else engine
+            assert eng is not None
+            scheduler = Scheduler(eng, settings, sink=sink)
         scheduler.tracer = tel.tracer
         metrics = ReplicaMetrics(scheduler)
         request_log = RequestLog(settings.name)
@@ -167,12 +184,13 @@ def create_app(
                     "replica": settings.name,
                     "model": scheduler.model,
                     "epoch": scheduler.epoch,
-                    "blocks": scheduler.pool.num_blocks,
+                    "engine": settings.engine,
+                    "blocks": scheduler.cache_stats().blocks.total,
                     "block_size": scheduler.block_size,
                     "max_model_len": scheduler.max_model_len,
-                    "vocab_size": eng.vocab_size,
-                    "tokenizer": settings.tokenizer if eng.model_dir is None else "checkpoint",
-                    "device": str(eng.device),
+                    "vocab_size": scheduler.vocab_size,
+                    "tokenizer": settings.tokenizer if settings.model_dir is None else "checkpoint",
+                    "device": scheduler.device,
                     "nats": bus is not None,
                 }
             },
@@ -183,7 +201,7 @@ def create_app(
             await scheduler.stop()
             if bus is not None:
                 await bus.stop()
-            if own:
+            if own and eng is not None:
                 eng.close()
             if telemetry is None:
                 tel.shutdown()

@@ -62,4 +62,6 @@ async def stats(scheduler: SchedulerDep) -> StatsResponse:
         copied_blocks=scheduler.copied_blocks,
         copy_seconds=scheduler.copy_s,
         draining=scheduler.draining,
+        engine=scheduler.settings.engine,
+        lapsed_entries=scheduler.lapsed_entries,
     )

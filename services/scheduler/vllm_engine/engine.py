@@ -1,0 +1,216 @@
+"""One vLLM ``AsyncLLM`` with its KV events on, and the facts the scheduler needs of it.
+
+vLLM starts its engine core (and, on the CPU, a worker) as spawned processes, which
+re-import the parent's main module: every entry point that can get here keeps its
+start-up under ``if __name__ == "__main__"`` (cachepoint.scheduler.cli does).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..settings import ReplicaSettings
+from .checkpoint import Checkpoint
+
+log = logging.getLogger(__name__)
+
+# NOTE: vLLM's CPU attention kernels take blocks in multiples of 32 and head sizes from
+# this list (vllm/v1/attention/backends/cpu_attn.py); refused up front, by name, rather
+# than as a traceback from a spawned worker.
+CPU_BLOCK_MULTIPLE = 32
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+class VllmConfigError(ValueError):
+    """Settings vLLM cannot run with (or the shim refuses): a usage error."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFacts:
+    """What vLLM decided at start-up."""
+
+    num_blocks: int  # KV blocks in its pool
+    block_size: int  # tokens per block
+    max_model_len: int  # longest sequence
+    kv_bytes_per_token: int  # K and V of one token, every layer and TP rank
+    device: str  # "cpu" or "cuda"
+    version: str  # vLLM's version
+
+
+def check_geometry(settings: ReplicaSettings, device: str, head_dim: int | None) -> None:
+    """Refuse block and head sizes vLLM's CPU kernels do not take."""
+    if device != "cpu":
+        return
+    if settings.block_size % CPU_BLOCK_MULTIPLE:
+        raise VllmConfigError(
+            f"block_size {settings.block_size}: vLLM's CPU attention takes multiples of "
+            f"{CPU_BLOCK_MULTIPLE} (try --block-size {CPU_BLOCK_MULTIPLE}; give the gateway "
+            "the same --block-size)"
+        )
+    if head_dim is not None and head_dim not in CPU_HEAD_SIZES:
+        hint = " (try --model-preset small)" if settings.model_dir is None else ""
+        raise VllmConfigError(
+            f"head size {head_dim}: vLLM's CPU attention takes {list(CPU_HEAD_SIZES)}{hint}"
+        )
+
+
+def resolve_device(settings: ReplicaSettings) -> str:
+    import torch
+
+    if settings.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return settings.device.split(":", 1)[0]
+
+
+def event_endpoints(name: str) -> tuple[str, str]:
+    """ZMQ endpoints (publish, replay) private to this replica process."""
+    base = Path(tempfile.gettempdir()) / f"cachepoint-vllm-{name}-{os.getpid()}"
+    return f"ipc://{base}.kv", f"ipc://{base}.replay"
+
+
+class VllmEngine:
+    """One AsyncLLM. Built in a worker thread (start-up takes seconds to minutes)."""
+
+    def __init__(
+        self, settings: ReplicaSettings, checkpoint: Checkpoint, endpoints: tuple[str, str]
+    ):
+        from vllm import __version__
+        from vllm.config.kv_events import KVEventsConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        device = resolve_device(settings)
+        hf = _read_config(checkpoint.folder)
+        check_geometry(settings, device, _head_dim(hf))
+        eager = settings.vllm_enforce_eager
+        args = AsyncEngineArgs(
+            model=str(checkpoint.folder),
+            served_model_name=settings.model_name,
+            # NOTE: the gateway renders and tokenizes; the shim decodes with the same
+            # tokenizer, so vLLM's own tokenizer (and its start-up cost) is not needed.
+            skip_tokenizer_init=True,
+            dtype="float32" if settings.dtype == "auto" and device == "cpu" else settings.dtype,
+            block_size=settings.block_size,
+            enable_prefix_caching=True,
+            # NOTE: collision resistant: the cache_salt keeps tenants apart only as long
+            # as nobody can craft a prefix with another's hash (xxhash is refused).
+            prefix_caching_hash_algo="sha256",
+            max_model_len=settings.max_model_len,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            tensor_parallel_size=settings.tensor_parallel_size,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            kv_cache_memory_bytes=settings.kv_cache_bytes if device == "cpu" else None,
+            enforce_eager=(device == "cpu") if eager is None else eager,
+            seed=settings.seed,
+            kv_events_config=KVEventsConfig(
+                enable_kv_cache_events=True,
+                publisher="zmq",
+                endpoint=endpoints[0],
+                replay_endpoint=endpoints[1],
+            ),
+            disable_log_stats=True,
+        )
+        self.llm: Any = AsyncLLM.from_engine_args(args)
+        config = self.llm.vllm_config
+        cache = config.cache_config
+        model = config.model_config
+        self.facts = EngineFacts(
+            num_blocks=int(cache.num_gpu_blocks or 0),
+            block_size=int(cache.block_size),
+            max_model_len=int(model.max_model_len),
+            kv_bytes_per_token=_kv_bytes_per_token(model, config.parallel_config),
+            device=device,
+            version=__version__,
+        )
+
+    @property
+    def errored(self) -> bool:
+        return bool(self.llm.errored)
+
+    def generate(
+        self, token_ids: list[int], salt: str | None, params: Any, request_id: str, priority: int
+    ) -> AsyncIterator[Any]:
+        prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
+        if salt is not None:
+            prompt["cache_salt"] = salt
+        it: AsyncIterator[Any] = self.llm.generate(prompt, params, request_id, priority=priority)
+        return it
+
+    async def abort(self, request_id: str) -> None:
+        await self.llm.abort(request_id)
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self.llm.reset_prefix_cache())
+
+    def pids(self) -> list[int]:
+        """The engine core processes (for tests and logs)."""
+        manager = getattr(self.llm.engine_core.resources, "engine_manager", None)
+        procs = getattr(manager, "processes", None) or []
+        return [p.pid for p in procs if getattr(p, "pid", None)]
+
+    def shutdown(self) -> None:
+        try:
+            self.llm.shutdown()
+        except Exception:  # a dead engine may fail its own teardown
+            log.exception("vLLM shutdown failed")
+
+
+def sampling_params(
+    *,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int | None,
+    stop_token_ids: list[int],
+) -> Any:
+    """vLLM's SamplingParams for one request: streamed token ids, no detokenizing."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        # NOTE: EOS is ours to decide (the shim applies the same turn-end rule as the
+        # torch scheduler); vLLM stops on exactly the ids the shim would stop on.
+        ignore_eos=True,
+        stop_token_ids=stop_token_ids,
+        detokenize=False,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    import json
+
+    raw: dict[str, Any] = json.loads((folder / "config.json").read_text())
+    return raw
+
+
+def _head_dim(hf: dict[str, Any]) -> int | None:
+    text = hf.get("text_config") or hf
+    if text.get("head_dim"):
+        return int(text["head_dim"])
+    heads, hidden = text.get("num_attention_heads"), text.get("hidden_size")
+    return int(hidden) // int(heads) if heads and hidden else None
+
+
+def _kv_bytes_per_token(model: Any, parallel: Any) -> int:
+    try:
+        layers = model.get_num_layers(parallel)
+        heads = model.get_num_kv_heads(parallel) * parallel.tensor_parallel_size
+        head = model.get_head_size()
+        itemsize = {"float32": 4}.get(str(model.dtype).removeprefix("torch."), 2)
+        return int(2 * layers * heads * head * itemsize)
+    except Exception:  # a family whose geometry vLLM reports otherwise: not priced
+        return 0
