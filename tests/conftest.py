@@ -169,3 +169,83 @@ def _seed(tmp_path) -> tuple[str, dict[str, str]]:
 def seeded_db(tmp_path):
     """A migrated SQLite ledger with orgs a and b: (url, {a, a-admin, b, b-admin} keys)."""
     return _seed(tmp_path)
+
+
+# ------------------------------------------------------------ the vLLM replica
+
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+VLLM_BIN = REPO / ".venv-vllm" / "bin"
+VLLM_BLOCK = 32  # vLLM's CPU attention takes multiples of 32
+
+
+class VllmReplica:
+    """One `cachepoint-replica --engine vllm` process from .venv-vllm, on real NATS."""
+
+    def __init__(self, url: str, name: str, nats_url: str, proc: subprocess.Popen[bytes], log):
+        self.url, self.name, self.nats_url, self.proc, self.log = url, name, nats_url, proc, log
+
+    def stats(self) -> dict:
+        import httpx
+
+        return httpx.get(f"{self.url}/v1/stats", timeout=10).json()
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        import httpx
+
+        deadline = time.time() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the vLLM replica exited:\n{self.log.read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError(
+                    f"the vLLM replica is not ready:\n{self.log.read_text()[-4000:]}"
+                )
+            time.sleep(0.25)
+
+
+@pytest.fixture(scope="session")
+def vllm_replica(tmp_path_factory) -> Iterator[VllmReplica]:
+    """The vLLM replica, started once per session (vLLM takes tens of seconds to start):
+    the small random model over the byte tokenizer (the same model name and tokenizer as
+    the torch replica in the gateway tests), its events on a session nats-server.
+
+    Tests share it safely: every test's orgs are new, and a salt per org keeps their
+    caches apart, exactly as across tenants in production.
+    """
+    binary = VLLM_BIN / "cachepoint-replica"
+    if not binary.exists():
+        pytest.fail("no .venv-vllm: run `make vllm` (make test does) for the vLLM replica tests")
+    base = tmp_path_factory.mktemp("vllm")
+    nats = NatsServer(_free_port(), str(base / "nats"))
+    nats.start()
+    port = _free_port()
+    log = base / "replica.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHEPOINT_")}
+    # NOTE: on two shared cores vLLM's auto binding would pin its worker to one core
+    # and reserve the other; the tests share both with everything else instead.
+    env |= {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "PYTHONSAFEPATH": "1"}
+    argv = [
+        str(binary), "--engine", "vllm", "--name", "vllm-0", "--port", str(port),
+        "--model-preset", "small", "--block-size", str(VLLM_BLOCK), "--kv-budget", "128MiB",
+        "--max-model-len", "4096", "--nats-url", nats.url, "--log-format", "text",
+        "--vllm-export-dir", str(base / "export"),
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+    replica = VllmReplica(f"http://127.0.0.1:{port}", "vllm-0", nats.url, proc, log)
+    try:
+        replica.wait_ready()
+        yield replica
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        nats.stop()

@@ -3,6 +3,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, text
@@ -58,18 +59,41 @@ def tiny_engine():
     return Engine(ModelConfig.tiny(), EngineConfig(kv_cache_bytes=32 * 2**20, max_model_len=4096))
 
 
+# The contract tests that run, unmodified, on both engines (issue 18): the official SDK,
+# exact buckets across turns, isolation, streaming, usage reports against the ledger.
+BOTH_ENGINES = {"test_conformance.py", "test_history_e2e.py"}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "stack" in metafunc.fixturenames and Path(metafunc.definition.path).name in BOTH_ENGINES:
+        engines = ["torch", pytest.param("vllm", marks=pytest.mark.slow)]
+        metafunc.parametrize("stack", engines, indirect=True)
+
+
 @pytest.fixture
-def stack(seeded_db, serve, tiny_engine):
-    """A real replica (tiny model, CPU) and a gateway on SQLite, with two orgs' keys."""
+def stack(request, seeded_db, serve, tiny_engine):
+    """A real replica and a gateway on SQLite, with two orgs' keys. The replica is the
+    torch engine's tiny model in process, or (param "vllm") the session's vLLM replica:
+    the same model name and byte tokenizer, so the same expected numbers hold."""
     from cachepoint.gateway.app import create_app
     from cachepoint.gateway.settings import GatewaySettings
     from cachepoint.scheduler.api.app import create_app as create_replica_app
     from cachepoint.scheduler.settings import ReplicaSettings
 
-    replica = serve(create_replica_app(ReplicaSettings(name="r0"), tiny_engine))
+    from ..conftest import VLLM_BLOCK
+
+    if getattr(request, "param", "torch") == "vllm":
+        replica, block_size = request.getfixturevalue("vllm_replica").url, VLLM_BLOCK
+    else:
+        replica = serve(create_replica_app(ReplicaSettings(name="r0"), tiny_engine))
+        block_size = 16
     db, keys = seeded_db
     settings = GatewaySettings(
-        database_url=db, replica_urls=[replica], min_cacheable_tokens=64, max_body_bytes=200_000
+        database_url=db,
+        replica_urls=[replica],
+        min_cacheable_tokens=64,
+        max_body_bytes=200_000,
+        block_size=block_size,
     )
     url = serve(create_app(settings))
     return {"url": url, "keys": keys, "replica": replica, "db": db}
