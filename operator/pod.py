@@ -96,6 +96,7 @@ def build_replica_env(
     """The replica's settings as CACHEPOINT_REPLICA_* env, plus NATS, OTLP and pod identity."""
     settings: dict[str, Any] = {
         "NAME": replica_process_name(namespace, pod),
+        "ENGINE": spec.engine,
         "HOST": "0.0.0.0",  # reached through the pod IP by probes, the operator and the gateway
         "PORT": spec.port,
         "MODEL_NAME": spec.model.name,

@@ -163,7 +163,9 @@ class KVSpec(_Spec):
 class BatchingSpec(_Spec):
     max_num_seqs: int | None = Field(None, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=16)
-    max_waiting: int | None = Field(None, ge=0)
+    # NOTE: at least 1: every request waits (at least for the next step) before it
+    # runs, so a replica with no queue answered 429 to everything (issue 17).
+    max_waiting: int | None = Field(None, ge=1)
 
 
 class RolloutSpec(_Spec):
@@ -188,6 +190,9 @@ class StartupProbeSpec(_Spec):
 
 class ReplicaSpec(_Spec):
     replicas: int = Field(1, ge=0, le=64)
+    # torch: Cachepoint's engine and kvcore's pool; vllm: vLLM's engine behind a kvcore
+    # mirror (its own image, cachepoint-replica-vllm).
+    engine: Literal["torch", "vllm"] = "torch"
     image: str = Field(min_length=1)
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     image_pull_secrets: list[dict[str, str]] = Field(default_factory=list)
@@ -261,6 +266,29 @@ def spec_problems(name: str, spec: ReplicaSpec) -> list[str]:
         )
     problems += _hugging_face_problems(spec)
     problems += _tier_problems(spec)
+    problems += _vllm_problems(spec)
+    return problems
+
+
+VLLM_CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention kernels take blocks in multiples of 32
+
+
+def _vllm_problems(spec: ReplicaSpec) -> list[str]:
+    if spec.engine != "vllm":
+        return []
+    kv, problems = spec.kv, []
+    if kv.host_bytes or kv.disk_bytes:
+        problems.append(
+            "kv.hostBytes and kv.diskBytes are kvcore's tiers, which engine vllm does not "
+            "have (a vLLM KV connector is the way there; docs/vllm.md)"
+        )
+    if kv.eviction is not None:
+        problems.append("kv.eviction is a kvcore policy; engine vllm evicts by vLLM's own LRU")
+    if spec.gpus_per_pod == 0 and kv.block_size % VLLM_CPU_BLOCK_MULTIPLE:
+        problems.append(
+            f"engine vllm on the CPU (gpusPerPod 0) needs kv.blockSize in multiples of "
+            f"{VLLM_CPU_BLOCK_MULTIPLE} (vLLM's CPU attention); give the gateway the same"
+        )
     return problems
 
 

@@ -158,7 +158,9 @@ class ReplicaSettings(BaseSettings):
         "KV does not fit yet (no head-of-line blocking); after that nothing more is "
         "admitted past it until it fits, so it cannot starve; 0 = strict queue order",
     )
-    max_waiting: int = Field(256, ge=0, description="queued requests before 429")
+    # NOTE: at least 1: every request waits (at least until the next step) before it
+    # runs, so with 0 a replica answered 429 to everything (issue 17).
+    max_waiting: int = Field(256, ge=1, description="queued requests before 429")
     nats_url: str | None = Field(
         None,
         validation_alias=shared_env("nats_url", "REPLICA"),

@@ -18,7 +18,7 @@ import yaml
 from .conftest import CHART, ROOT, render
 
 DOCKERFILES = sorted((ROOT / "docker").glob("*.Dockerfile"))
-IMAGES = ("gateway", "operator", "replica-cpu", "replica-cuda")
+IMAGES = ("gateway", "operator", "replica-cpu", "replica-cuda", "replica-vllm")
 # Upstream images the project may build on; each pinned to an exact version tag.
 # NOTE: CUDA 12.x only: a CUDA 13 runtime needs an R580+ driver, which managed GPU node
 # images mostly do not ship yet.
@@ -53,14 +53,9 @@ def resolve(image: str, args: dict[str, str]) -> str:
     return re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], image)
 
 
-def test_the_four_images_exist() -> None:
+def test_the_five_images_exist() -> None:
     names = {p.name for p in DOCKERFILES}
-    assert names == {
-        "gateway.Dockerfile",
-        "operator.Dockerfile",
-        "replica-cpu.Dockerfile",
-        "replica-cuda.Dockerfile",
-    }
+    assert names == {f"{image}.Dockerfile" for image in IMAGES}
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
@@ -87,7 +82,9 @@ def test_multi_stage_pinned_non_root(dockerfile: Path) -> None:
         rest for op, rest in steps if op == "RUN" and re.search(r"pip install .*\s\"?\.", rest)
     ]
     assert installs
-    assert all("--constraint docker/constraints.txt" in r for r in installs)
+    # The vLLM image pins to what the vLLM venv ran (its fastapi and transformers differ).
+    constraints = "constraints-vllm.txt" if "vllm" in dockerfile.name else "constraints.txt"
+    assert all(f"--constraint docker/{constraints}" in r for r in installs)
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
@@ -238,7 +235,10 @@ def test_a_repository_naming_its_registry_is_not_prefixed_again(helm: str, repos
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
 def test_examples_use_the_default_registry_and_app_version(example: Path) -> None:
     spec = yaml.safe_load(example.read_text())["spec"]
-    flavour = "replica-cpu" if spec.get("gpusPerPod") == 0 else "replica-cuda"
+    if spec.get("engine") == "vllm":
+        flavour = "replica-vllm"
+    else:
+        flavour = "replica-cpu" if spec.get("gpusPerPod") == 0 else "replica-cuda"
     version = chart_meta()["appVersion"]
     assert spec["image"] == f"{default_registry()}/cachepoint-{flavour}:{version}"
 
@@ -259,7 +259,7 @@ def workflow() -> dict[str, Any]:
     return yaml.safe_load(WORKFLOW.read_text())
 
 
-def test_workflow_builds_exactly_the_four_dockerfiles_into_one_registry() -> None:
+def test_workflow_builds_exactly_the_five_dockerfiles_into_one_registry() -> None:
     flow = workflow()
     build = flow["jobs"]["build"]
     images = build["strategy"]["matrix"]["image"]

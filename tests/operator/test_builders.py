@@ -118,6 +118,23 @@ def test_env_carries_the_replica_settings_nats_and_otlp() -> None:
     assert "CACHEPOINT_NATS_URL" not in env_of(pod(make_spec(), config=OperatorConfig()))
 
 
+def test_the_engine_reaches_the_replica_and_its_settings_accept_it() -> None:
+    from cachepoint.scheduler.settings import ReplicaSettings
+
+    assert env_of(pod(make_spec()))["CACHEPOINT_REPLICA_ENGINE"] == "torch"
+    spec = make_spec(engine="vllm", gpusPerPod=1, kv={"blockSize": 16})
+    env = env_of(pod(spec))
+    assert env["CACHEPOINT_REPLICA_ENGINE"] == "vllm"
+    # What the operator writes is what the replica reads: plain values, none refused.
+    plain = {
+        k.removeprefix("CACHEPOINT_REPLICA_").lower(): v
+        for k, v in env.items()
+        if k.startswith("CACHEPOINT_REPLICA_") and isinstance(v, str)
+    }
+    plain.pop("model_dir", None)  # no checkpoint on this machine
+    assert ReplicaSettings(**plain).engine == "vllm"
+
+
 def test_user_env_wins_once() -> None:
     manifest = pod(make_spec(env=[{"name": "CACHEPOINT_REPLICA_MAX_WAITING", "value": "9"}]))
     names = [e["name"] for e in manifest["spec"]["containers"][0]["env"]]

@@ -104,6 +104,22 @@ VALID = [
     ("no-disk-tier", "r", {**MINIMAL, "kv": {"diskBytes": "0Gi"}}),
     ("no-disk-tier-int", "r", {**MINIMAL, "kv": {"diskBytes": 0}}),
     ("longest-name", "x" * 56, MINIMAL),
+    ("vllm-gpu", "r", {**MINIMAL, "engine": "vllm"}),
+    (
+        "vllm-cpu-block-32",
+        "r",
+        {**MINIMAL, "engine": "vllm", "gpusPerPod": 0, "kv": {"blockSize": 32}},
+    ),
+    (
+        "vllm-zero-tiers",
+        "r",
+        {**MINIMAL, "engine": "vllm", "kv": {"hostBytes": "0Gi", "diskBytes": 0}},
+    ),
+    (
+        "torch-tiers-eviction",
+        "r",
+        {**MINIMAL, "engine": "torch", "kv": {**TIERS, "eviction": "slru"}},
+    ),
 ]
 
 INVALID = [
@@ -165,6 +181,24 @@ INVALID = [
         "r",
         {**MINIMAL, "kv": {**TIERS, "diskVolume": {"emptyDir": {}, "hostPath": {"path": "/n"}}}},
         "exclusive: give one source",
+    ),
+    (
+        "vllm-host-tier",
+        "r",
+        {**MINIMAL, "engine": "vllm", "kv": {"hostBytes": "8Gi"}},
+        "vLLM KV connector",
+    ),
+    (
+        "vllm-eviction",
+        "r",
+        {**MINIMAL, "engine": "vllm", "kv": {"eviction": "lru"}},
+        "vLLM's own LRU",
+    ),
+    (
+        "vllm-cpu-block-16",
+        "r",
+        {**MINIMAL, "engine": "vllm", "gpusPerPod": 0},
+        "multiples of 32",
     ),
     ("name-too-long", "x" * 57, MINIMAL, "at most 56 characters"),
     ("name-with-a-dot", "a.b", MINIMAL, "DNS label"),

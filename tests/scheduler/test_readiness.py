@@ -11,6 +11,8 @@ import asyncio
 import json
 
 import httpx
+import pytest
+from pydantic import ValidationError
 
 from cachepoint.engine import Engine
 from cachepoint.scheduler.api.app import create_app
@@ -53,11 +55,12 @@ async def test_readyz_stays_ready_while_the_waiting_queue_is_full(engine: Engine
         queued.cancel()
 
 
-def test_readyz_is_ready_with_max_waiting_zero(engine: Engine, serve):
-    url = serve(create_app(ReplicaSettings(name="r-zero", max_waiting=0), engine))
-    ready = httpx.get(f"{url}/readyz")
-    assert ready.status_code == 200, ready.text
-    assert ready.json()["status"] == "ready"
+def test_max_waiting_zero_is_refused_with_a_reason() -> None:
+    # A replica with no queue answered 429 to every request while reporting ready (every
+    # request waits, at least for the next step): refused at start instead.
+    with pytest.raises(ValidationError, match="max_waiting"):
+        ReplicaSettings(name="r-zero", max_waiting=0)
+    assert ReplicaSettings(name="r-one", max_waiting=1).max_waiting == 1
 
 
 def test_readyz_fails_while_draining_and_healthz_does_not(engine: Engine, serve):
