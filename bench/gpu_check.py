@@ -11,13 +11,20 @@ Prints one table:
 - cold and cached TTFT at 8k and 32k tokens (cached: all but the last 64 in the pool);
 - decode tokens/s at batch 1, 32 and 128, every lane on one shared 1,024-token prefix
   (the prefix's blocks are shared; each lane grows its own blocks);
-- the KV pool the engine chose (blocks, GiB) and the peak memory.
+- the KV pool the engine chose (blocks, GiB) and the peak memory;
+- with ``--engine vllm`` (or ``both``), the same shapes on vLLM (issue 18): its own
+  random weights (``load_format="dummy"``), prefix caching on, reuse equals recompute
+  (greedy token and its logprob, cold against cached), cold and cached TTFT (with the
+  tokens vLLM reports it reused), and decode tokens/s at each batch; a SKIP row where
+  vLLM is not installed.
 
 Exit code 0 when every check passed or was skipped, 1 when one failed or raised, 2
 when the device asked for does not exist.
 
     python3 bench/gpu_check.py                        # on the GPU machine
+    python3 bench/gpu_check.py --engine both          # also vLLM, where it is installed
     .venv/bin/python bench/gpu_check.py --device cpu --tiny   # dry run of the script
+    .venv-vllm/bin/python bench/gpu_check.py --device cpu --tiny --engine vllm
 """
 
 from __future__ import annotations
@@ -320,6 +327,112 @@ def check_decode(ctx: Ctx, batch: int) -> None:
     )
 
 
+# -- the vLLM case (issue 18) ----------------------------------------------------------
+
+
+def _vllm_llm(ctx: Ctx, folder: Path) -> Any:
+    """vLLM's offline engine on ``folder``'s config, random weights, prefix caching on."""
+    from vllm import LLM
+
+    s, cpu = ctx.sizes, ctx.device.type == "cpu"
+    longest = max(*s.ttft_tokens, s.reuse_tokens, s.prefix_tokens + s.decode_steps + 2)
+    kw: dict[str, Any] = (
+        {"kv_cache_memory_bytes": 256 << 20}
+        if cpu
+        else {"gpu_memory_utilization": ctx.args.gpu_memory_utilization}
+    )
+    return LLM(
+        model=str(folder),
+        load_format="dummy",  # random weights of the config's shapes: nothing downloaded
+        skip_tokenizer_init=True,
+        dtype="float32" if cpu else "bfloat16",
+        # NOTE: vLLM's CPU attention takes multiples of 32; on CUDA 16 is its default.
+        block_size=32 if cpu else 16,
+        enable_prefix_caching=True,
+        max_model_len=longest + 64,
+        max_num_seqs=max(s.decode_batches),
+        enforce_eager=cpu,
+        seed=0,
+        **kw,
+    )
+
+
+def check_vllm(ctx: Ctx) -> None:
+    """The vLLM rows: the same shapes as the torch engine's, on vLLM's engine."""
+    if importlib.util.find_spec("vllm") is None:
+        ctx.rows.append(Row("vLLM", "SKIP", "-", "vllm is not installed in this Python"))
+        return
+    import tempfile
+
+    from vllm import SamplingParams
+
+    from cachepoint.engine import ModelConfig
+
+    s = ctx.sizes
+    if ctx.args.tiny:  # vLLM's CPU attention takes head sizes of 32 and more
+        model = ModelConfig.tiny(hidden_size=128, num_heads=4, num_kv_heads=2)
+    else:
+        model = llama3_8b()
+    with tempfile.TemporaryDirectory(prefix="gpu-check-vllm-") as tmp:
+        folder = Path(tmp)
+        hf = model.to_hf_config()
+        hf["torch_dtype"] = "float32" if ctx.device.type == "cpu" else "bfloat16"
+        (folder / "config.json").write_text(__import__("json").dumps(hf))
+        t0 = time.perf_counter()
+        llm = _vllm_llm(ctx, folder)
+        build = time.perf_counter() - t0
+        blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+        ctx.rows.append(Row("vLLM: engine build (dummy weights)", "INFO", f"{build:.1f} s",
+                            f"{blocks} KV blocks"))  # fmt: skip
+        vocab = model.vocab_size
+
+        def prompt(n: int) -> dict[str, Any]:
+            return {"prompt_token_ids": [ctx.rng.randrange(vocab) for _ in range(n)]}
+
+        def first(p: dict[str, Any]) -> tuple[float, Any]:
+            t = time.perf_counter()
+            params = SamplingParams(max_tokens=1, logprobs=1, temperature=0.0)
+            (out,) = llm.generate([p], params, use_tqdm=False)
+            return time.perf_counter() - t, out
+
+        llm.generate([prompt(64)], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+        p = prompt(s.reuse_tokens)
+        _, cold = first(p)
+        _, warm = first(p)
+        c, w = cold.outputs[0], warm.outputs[0]
+        lp_c = c.logprobs[0][c.token_ids[0]].logprob
+        lp_w = w.logprobs[0][w.token_ids[0]].logprob
+        ok = c.token_ids == w.token_ids and abs(lp_c - lp_w) <= 0.05 * max(1.0, abs(lp_c))
+        same = c.token_ids == w.token_ids
+        ctx.rows.append(
+            Row(
+                f"vLLM: reuse == recompute ({s.reuse_tokens} tok)",
+                "PASS" if ok else "FAIL",
+                f"logprob {lp_c:.4f} vs {lp_w:.4f}",
+                f"{warm.num_cached_tokens} tokens reused; same greedy token: {same}",
+            )
+        )
+        for n in s.ttft_tokens:
+            p = prompt(n)
+            t_cold, _ = first(p)
+            t_warm, out = first(p)
+            ctx.rows.append(Row(f"vLLM: TTFT cold, {n} tokens", "INFO", f"{t_cold * 1e3:.1f} ms"))
+            speedup = f"{out.num_cached_tokens} reused; {t_cold / t_warm:.1f}x faster"
+            ctx.rows.append(
+                Row(f"vLLM: TTFT cached, {n} tokens", "INFO", f"{t_warm * 1e3:.1f} ms", speedup)
+            )
+        prefix = prompt(s.prefix_tokens)
+        llm.generate([prefix], SamplingParams(max_tokens=1), use_tqdm=False)  # cache it
+        for b in s.decode_batches:
+            params = SamplingParams(max_tokens=s.decode_steps, ignore_eos=True, temperature=0.0)
+            t = time.perf_counter()
+            llm.generate([prefix] * b, params, use_tqdm=False)
+            rate = b * s.decode_steps / (time.perf_counter() - t)
+            ctx.rows.append(Row(f"vLLM: decode, batch {b}", "INFO", f"{rate:.1f} tok/s",
+                                f"{s.decode_steps} steps over a cached {s.prefix_tokens}-token "
+                                "prefix (its last block's prefill included)"))  # fmt: skip
+
+
 def _run(ctx: Ctx, name: str, fn: Callable[[], None]) -> None:
     try:
         fn()
@@ -415,6 +528,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="ModelConfig.tiny() and small sizes: a dry run of the script itself (CPU)",
     )
     p.add_argument(
+        "--engine",
+        choices=["torch", "vllm", "both"],
+        default="torch",
+        help="torch (default): Cachepoint's engine; vllm: vLLM's engine (issue 18); both",
+    )
+    p.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
@@ -448,20 +567,27 @@ def main(argv: list[str] | None = None) -> int:
     shapes = "tiny" if args.tiny else "Llama-3-8B shapes"
     print(f"gpu_check: {name}, torch {torch.__version__}, {shapes}")
     start = time.perf_counter()
-    _run(ctx, "paged attention vs reference", functools.partial(check_attention, ctx))
-    if device.type == "cuda":
-        # NOTE: the engine sizes its pool from free memory; give back what the
-        # attention check's float64 reference cached.
-        torch.cuda.empty_cache()
-    _run(ctx, "engine build", functools.partial(build_engine, ctx))
-    if ctx.engine is not None:
-        with torch.inference_mode():
-            _run(ctx, "reuse == recompute", functools.partial(check_reuse, ctx))
-            for n in ctx.sizes.ttft_tokens:
-                _run(ctx, f"TTFT {n}", functools.partial(check_ttft, ctx, n))
-            for b in ctx.sizes.decode_batches:
-                _run(ctx, f"decode, batch {b}", functools.partial(check_decode, ctx, b))
-    ctx.rows.append(peak_memory_row(ctx))
+    if args.engine in ("torch", "both"):
+        _run(ctx, "paged attention vs reference", functools.partial(check_attention, ctx))
+        if device.type == "cuda":
+            # NOTE: the engine sizes its pool from free memory; give back what the
+            # attention check's float64 reference cached.
+            torch.cuda.empty_cache()
+        _run(ctx, "engine build", functools.partial(build_engine, ctx))
+        if ctx.engine is not None:
+            with torch.inference_mode():
+                _run(ctx, "reuse == recompute", functools.partial(check_reuse, ctx))
+                for n in ctx.sizes.ttft_tokens:
+                    _run(ctx, f"TTFT {n}", functools.partial(check_ttft, ctx, n))
+                for b in ctx.sizes.decode_batches:
+                    _run(ctx, f"decode, batch {b}", functools.partial(check_decode, ctx, b))
+            ctx.rows.append(peak_memory_row(ctx))
+            ctx.engine.close()
+            ctx.engine = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # vLLM sizes its pool from free memory too
+    if args.engine in ("vllm", "both"):
+        _run(ctx, "vLLM", functools.partial(check_vllm, ctx))
     ctx.rows.append(Row("wall time", "INFO", f"{time.perf_counter() - start:.1f} s"))
     print(render(ctx.rows))
     failed = [r.check for r in ctx.rows if r.status in ("FAIL", "ERROR")]
