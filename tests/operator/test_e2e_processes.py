@@ -8,8 +8,9 @@ One test walks what a cluster does to a deployment in a day:
   only its own members;
 - a rolling update of one under a client loop: no failed request, at most
   maxUnavailable members down at any time, and the ledger equals the usage returned;
-- a member container killed (restarted in place) and a member pod evicted (Failed:
-  replaced by the operator);
+- a member container killed (restarted in place), a member pod evicted (Failed:
+  replaced by the operator) and one deleted from outside (`kubectl delete pod`, a node
+  drain: recreated by the operator);
 - `kubectl scale` through the scale subresource.
 
 What is emulated and why: no cluster DNS here, so the kubelet maps service names to
@@ -247,6 +248,7 @@ class Fleet:
 
     def __init__(self, gateway_url: str, api_key: str, db_url: str) -> None:
         self.gateway_url, self.api_key, self.db_url = gateway_url, api_key, db_url
+        self.request_ids: list[str] = []  # every answered call's, to check the ledger
         self.client = anthropic.Anthropic(
             base_url=gateway_url, api_key=api_key, max_retries=0, timeout=60
         )
@@ -275,7 +277,9 @@ class Fleet:
             "cache_write_1h": (cc.ephemeral_1h_input_tokens or 0) if cc else 0,
             "output": u.output_tokens or 0,
         }
-        return raw.headers["cachepoint-replica"], usage, raw.headers.get("request-id", "")
+        rid = raw.headers.get("request-id", "")
+        self.request_ids.append(rid)
+        return raw.headers["cachepoint-replica"], usage, rid
 
 
 @pytest.fixture
@@ -539,6 +543,26 @@ async def test_two_namespaces_two_models_roll_evict_kill_and_scale(
         ),
         "a new alpha-1",
     )
+
+    # A member pod deleted from outside (kubectl delete pod, a node drain): recreated.
+    deleted_uid = kubectl.get("v1/pods", "team-a", "alpha-0")["metadata"]["uid"]
+    await kubectl.delete("v1/pods", "team-a", "alpha-0")
+    await _wait(
+        lambda: (
+            (p := _ready_members(kubectl, "team-a", "alpha").get("alpha-0")) is not None
+            and p["metadata"]["uid"] != deleted_uid
+        ),
+        "a new alpha-0",
+    )
+    await _wait(lambda: live_is(3), "the gateway routes to the new alpha-0", 30)
+    assert (await asyncio.to_thread(f.ask, "model-a", "after the delete"))[0].startswith(
+        "team-a_alpha-"
+    )
+
+    # Every answered call is in the ledger once, and nothing else is (no double billing
+    # of a rerouted or retried call).
+    rows = await asyncio.to_thread(ledger, f.db_url)
+    assert sorted(rows) == sorted(f.request_ids)
 
     # kubectl scale through the scale subresource.
     await kubectl.patch(CR, "team-b", "beta", {"spec": {"replicas": 2}}, sub="scale")
