@@ -118,8 +118,9 @@ class PoolMirror:
         self._flush_run(run, run_parent)
         return added
 
-    def removed(self, hashes: Sequence[ForeignHash]) -> int:
-        """Blocks left the engine's cache. Unknown or absent hashes are ignored."""
+    def removed(self, hashes: Sequence[ForeignHash]) -> list[BlockHash]:
+        """Blocks left the engine's cache; returns the kvcore hashes that are gone.
+        Unknown or absent hashes are ignored."""
         gone: list[BlockHash] = []
         for foreign in hashes:
             if foreign not in self._present:
@@ -134,7 +135,7 @@ class PoolMirror:
                 gone.append(ours)
         if gone:
             self._events.append(BlockRemoved(tuple(gone)))
-        return len(gone)
+        return gone
 
     def cleared(self) -> None:
         """The engine dropped its whole cache (or restarted)."""
@@ -222,6 +223,10 @@ class MirrorCacheManager:
         self.query_tokens = 0
         self.hit_tokens = 0
         self.lapsed_entries = 0
+        # NOTE: entries by their last full block, so an eviction finds what it ends in
+        # O(blocks removed): an engine evicts a chain from its tail first, and a prefix
+        # that lost its last block can no longer be reused whole.
+        self._by_last: dict[BlockHash, list[CacheEntry]] = {}
 
     def lookup_entry(
         self, candidates: Sequence[EntryKey], engine_hit_tokens: int, prompt_tokens: int
@@ -258,6 +263,12 @@ class MirrorCacheManager:
         if entry is None:
             entry = CacheEntry(key, num_tokens, tuple(block_hashes[:full]), ttl, now + ttl)
             self.entries.put(entry)
+            if entry.block_hashes:
+                # NOTE: expired entries are pruned here, so one block's list holds at
+                # most its live entries and the new one, whatever the rewrites.
+                last = entry.block_hashes[-1]
+                live = [e for e in self._by_last.get(last, ()) if e.expires_at > now]
+                self._by_last[last] = [*live, entry]
         else:
             entry.ttl = max(entry.ttl, ttl)
             self.entries.extend(entry, now + entry.ttl)
@@ -267,20 +278,31 @@ class MirrorCacheManager:
         self.query_tokens += prompt_tokens
         self.hit_tokens += engine_hit_tokens
 
-    def drop_lapsed(self) -> int:
-        """Drop live entries that lost a block to the engine's eviction; returns how many."""
+    def lapse(self, removed: Sequence[BlockHash]) -> int:
+        """The engine evicted ``removed``: drop the live entries that ended in one of
+        them (they can no longer be read); returns how many."""
         now = self.clock()
-        self.entries.expire(now)
-        mirror = self.mirror
-        lapsed = [e for e in self.entries.live(now) if any(h not in mirror for h in e.block_hashes)]
-        for entry in lapsed:
-            self.entries.drop(entry)
-        self.lapsed_entries += len(lapsed)
-        return len(lapsed)
+        dropped = 0
+        for block_hash in removed:
+            for entry in self._by_last.pop(block_hash, ()):
+                if self.entries.get_live(entry.key, now) is entry:
+                    self.entries.drop(entry)
+                    dropped += 1
+        self.lapsed_entries += dropped
+        return dropped
+
+    def lapse_all(self) -> int:
+        """The engine's cache is gone (or unknown): every live entry lapses."""
+        dropped = len(self.entries)
+        self.entries.clear()
+        self._by_last.clear()
+        self.lapsed_entries += dropped
+        return dropped
 
     def clear(self) -> None:
         self.mirror.cleared()
         self.entries.clear()
+        self._by_last.clear()
 
     def stats(self) -> MirrorStats:
         self.entries.expire(self.clock())

@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine",
         choices=["torch", "vllm"],
         help="torch (default): Cachepoint's engine, kvcore's own pool, TTL retention "
-        "guaranteed. vllm: vLLM's engine (install it with `make .venv-vllm` and run this "
+        "guaranteed. vllm: vLLM's engine (install it with `make vllm` and run this "
         "command from .venv-vllm/bin); the same API, billing and events, retention best "
         "effort (docs/vllm.md)",
     )
@@ -176,7 +176,7 @@ def _check_vllm(parser: argparse.ArgumentParser, settings: ReplicaSettings) -> N
     if importlib.util.find_spec("vllm") is None:
         parser.error(
             "--engine vllm: vLLM is not installed in this environment "
-            f"({sys.prefix}); run `make .venv-vllm` and start .venv-vllm/bin/cachepoint-replica"
+            f"({sys.prefix}); run `make vllm` and start .venv-vllm/bin/cachepoint-replica"
         )
     from cachepoint.tokenizer.gguf_vocab import is_gguf
 

@@ -303,7 +303,7 @@ class ReplicaSettings(BaseSettings):
         if self.eviction != DEFAULT_EVICTION:
             raise ValueError(
                 f"eviction {self.eviction!r} is a kvcore policy; the vllm engine evicts by "
-                "its own LRU"
+                "vLLM's own LRU"
             )
         return self
 

@@ -79,8 +79,8 @@ def test_removed_blocks_leave_and_unknown_ones_are_ignored() -> None:
     mirror = PoolMirror(B)
     mirror.stored(None, foreign, tokens)
     mirror.take_events()
-    assert mirror.removed([foreign[2], b"never-seen", foreign[2]]) == 1
     ours = hash_blocks(tokens, B)
+    assert mirror.removed([foreign[2], b"never-seen", foreign[2]]) == [ours[2]]
     assert mirror.take_events() == [BlockRemoved((ours[2],))]
     assert ours[2] not in mirror
     assert ours[1] in mirror
@@ -147,7 +147,7 @@ def test_translations_are_bounded_but_never_forget_a_present_block() -> None:
     mirror.stored(None, [b"new"], [9] * B)
     # Every present block still maps, so its removal is still reported.
     assert all(mirror.translate(bytes([i])) is not None for i in (3, 4))
-    assert mirror.removed([bytes([3]), bytes([4]), b"new"]) == 3
+    assert len(mirror.removed([bytes([3]), bytes([4]), b"new"])) == 3
 
 
 # ------------------------------------------------------------- the model check
@@ -248,13 +248,30 @@ def test_a_hit_refreshes_the_ttl_and_expiry_ends_the_entry() -> None:
 
 def test_an_entry_whose_blocks_the_engine_evicted_lapses() -> None:
     manager, _ = _manager()
-    tokens = list(range(1, 9))
+    tokens = list(range(1, 13))
     foreign = foreign_chain(tokens)
     manager.mirror.stored(None, foreign, tokens)
     hashes = hash_blocks(tokens, B)
-    manager.write_entry(entry_key_at(tokens, 8, hashes, B, ()), 8, hashes, 300.0)
-    assert manager.drop_lapsed() == 0
-    manager.mirror.removed([foreign[1]])
-    assert manager.drop_lapsed() == 1
+    short = entry_key_at(tokens, 8, hashes, B, ())  # ends in block 1
+    long = entry_key_at(tokens, 12, hashes, B, ())  # ends in block 2
+    manager.write_entry(short, 8, hashes, 300.0)
+    manager.write_entry(long, 12, hashes, 300.0)
+    # The engine evicts the chain's tail: the entry ending there can no longer be read
+    # whole; the shorter one still can.
+    assert manager.lapse(manager.mirror.removed([foreign[2]])) == 1
     stats = manager.stats()
-    assert (stats.entries, stats.lapsed_entries, stats.cached_blocks) == (0, 1, 1)
+    assert (stats.entries, stats.lapsed_entries, stats.cached_blocks) == (1, 1, 2)
+    assert manager.lookup_entry([long, short], 8, 13) is not None
+    assert manager.lapse_all() == 1
+    assert manager.stats().entries == 0
+
+
+def test_rewrites_keep_one_index_list_per_block_short() -> None:
+    manager, clock = _manager()
+    tokens = list(range(1, 9))
+    hashes = hash_blocks(tokens, B)
+    key = entry_key_at(tokens, 8, hashes, B, ())
+    for _ in range(50):  # written, expired, written again
+        manager.write_entry(key, 8, hashes, 300.0)
+        clock.advance(301)
+    assert len(manager._by_last[hashes[-1]]) == 1

@@ -211,11 +211,14 @@ class VllmScheduler:
             ready.set()
 
     def _on_vllm_events(self, batch: list[Any]) -> None:
-        events.apply(self.mirror, batch)
+        applied = events.apply(self.mirror, batch)
+        if applied.cleared:  # vLLM dropped its whole cache: no entry can be read now
+            self.manager.lapse_all()
+        self.manager.lapse(applied.removed)
         self.flush_events()
 
     async def _watch(self) -> None:
-        """Restart a dead engine; resync a mirror that lost events; expire lapsed entries."""
+        """Restart a dead engine; resync a mirror that lost events."""
         while not self._stopping:
             await asyncio.sleep(WATCH_INTERVAL_S)
             engine = self.engine
@@ -223,7 +226,6 @@ class VllmScheduler:
                 await self._restart("the engine died")
             elif self._events_failed is not None:
                 self._resync(self._events_failed)
-            self.manager.drop_lapsed()
 
     async def _restart(self, why: str) -> None:
         self._unavailable = f"vLLM engine restarting: {why}"
@@ -249,6 +251,9 @@ class VllmScheduler:
         than vLLM holds (routing finds fewer hits here until prefixes are stored
         again), never more; billing does not depend on it."""
         log.warning("vLLM KV events lost (%s); the mirror starts over", exc)
+        # NOTE: the entries stay: a read depends on vLLM's own reuse, never on the
+        # mirror, so an entry whose blocks vLLM still holds is still read (and billed)
+        # as one.
         self.manager.mirror.cleared()
         self.epoch = time.time_ns()
         self.flush_events()

@@ -103,6 +103,9 @@ class VllmEngine:
             prefix_caching_hash_algo="sha256",
             max_model_len=settings.max_model_len,
             max_num_seqs=settings.max_num_seqs,
+            # NOTE: the request's priority means what it means on the torch engine:
+            # lower runs first, FIFO among equals (vLLM's "fcfs" would ignore it).
+            scheduling_policy="priority",
             max_num_batched_tokens=settings.max_num_batched_tokens,
             tensor_parallel_size=settings.tensor_parallel_size,
             gpu_memory_utilization=settings.gpu_memory_utilization,

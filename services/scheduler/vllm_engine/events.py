@@ -16,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from cachepoint.kvcore import BlockHash
 from cachepoint.kvcore.mirror import PoolMirror
 
 from .scope import decode_salt
@@ -35,7 +36,7 @@ class ApplyStats:
     """What one batch did to the mirror."""
 
     stored: int = 0  # blocks newly mirrored
-    removed: int = 0  # blocks that left
+    removed: list[BlockHash] = field(default_factory=list)  # kvcore hashes that left
     cleared: bool = False  # vLLM dropped everything
     skipped: int = 0  # blocks not ours to mirror (another medium, block size or salt)
 
@@ -100,7 +101,10 @@ async def subscribe(
     sub.setsockopt(zmq.LINGER, 0)
     sub.connect(endpoint)
     decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-    last: int | None = None
+    # NOTE: vLLM numbers a publisher's batches from 0, and a SUB socket joins late (ZMQ
+    # drops what a PUB sends before the subscription lands): starting at -1, a first
+    # batch that was missed is a gap to replay like any other.
+    last = -1
 
     async def deliver(payload: bytes) -> None:
         result = on_batch(decoder.decode(payload).events)
@@ -113,7 +117,7 @@ async def subscribe(
         while True:
             _topic, seq_bytes, payload = await sub.recv_multipart()
             seq = int.from_bytes(seq_bytes, "big")
-            if last is not None and seq != last + 1:
+            if seq != last + 1:
                 if seq <= last:
                     continue  # a duplicate (already replayed)
                 log.warning("vLLM KV events %d..%d missed; replaying", last + 1, seq - 1)

@@ -1,0 +1,62 @@
+"""`--engine vllm` settings: what vLLM lacks is refused by name, before anything starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from cachepoint.scheduler.settings import ReplicaSettings
+from cachepoint.scheduler.vllm_engine.engine import VllmConfigError, check_geometry
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"kv_host_bytes": "1GiB"}, "kvcore's tiers"),
+        ({"eviction": "slru"}, "vLLM's own LRU"),
+    ],
+)
+def test_kvcore_only_settings_are_refused_on_vllm(extra: dict, message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        ReplicaSettings(engine="vllm", **extra)
+    ReplicaSettings(engine="torch", **extra)  # fine on kvcore's own pool
+
+
+def test_cpu_block_and_head_sizes_are_checked_before_vllm_starts() -> None:
+    with pytest.raises(VllmConfigError, match="multiples of 32"):
+        check_geometry(ReplicaSettings(engine="vllm"), "cpu", 64)
+    with pytest.raises(VllmConfigError, match="--model-preset small"):
+        check_geometry(ReplicaSettings(engine="vllm", block_size=32), "cpu", 16)
+    check_geometry(ReplicaSettings(engine="vllm", block_size=32), "cpu", 32)
+    check_geometry(ReplicaSettings(engine="vllm"), "cuda", 16)  # CUDA kernels take both
+
+
+def test_the_main_venv_says_how_to_get_vllm() -> None:
+    # This interpreter (.venv) has no vLLM: a usage error naming `make vllm`, not a
+    # traceback from an import.
+    result = subprocess.run(
+        [sys.executable, "-m", "cachepoint.scheduler.cli", "--engine", "vllm"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PYTHONSAFEPATH": "1", "PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode == 2
+    assert "make vllm" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_help_explains_the_engine_choice() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "cachepoint.scheduler.cli", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PYTHONSAFEPATH": "1", "PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode == 0
+    assert "--engine {torch,vllm}" in result.stdout
+    assert "--vllm-export-dir" in result.stdout
