@@ -138,6 +138,22 @@ def _draining_server(config: Any, state: Any, cut_after_s: float) -> Any:
     return DrainingServer(config)
 
 
+class StartupError(Exception):
+    """The app cannot start with these settings (a KV budget too small, a model the
+    engine refuses): `serve` prints this message alone, no traceback, and exits 2."""
+
+
+class _HideStartupTraceback(logging.Filter):
+    """Drops uvicorn's traceback of a `StartupError` (its message is printed instead)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            record.levelno >= logging.ERROR
+            and record.getMessage().startswith("Traceback")
+            and f"{StartupError.__module__}.{StartupError.__name__}" in record.getMessage()
+        )
+
+
 def serve(
     app_factory: Callable[[], Any],
     host: str,
@@ -182,13 +198,26 @@ def serve(
 
     if state is not None:
         state.request_exit = request_exit
+    hide = _HideStartupTraceback()
+    logging.getLogger("uvicorn.error").addFilter(hide)
     # NOTE: what is alive now (the model, the schemas, the routes) lives as long as the
     # process. Frozen, the collector stops re-scanning it: on the replica a full
     # collection otherwise stalls a request for about 0.2 s every few dozen requests.
     gc.collect()
     gc.freeze()
-    with contextlib.suppress(KeyboardInterrupt):  # as uvicorn.run does
-        server.run()
+    try:
+        with contextlib.suppress(KeyboardInterrupt):  # as uvicorn.run does
+            server.run()
+    except SystemExit:
+        # NOTE: uvicorn exits (3) itself when the app's startup fails; a StartupError's
+        # message is the whole story, so it replaces uvicorn's exit.
+        problem = getattr(state, "startup_error", None)
+        if problem is None:
+            raise
+        print(f"{getattr(app, 'title', 'cachepoint')}: cannot start: {problem}", file=sys.stderr)
+        return 2
+    finally:
+        logging.getLogger("uvicorn.error").removeFilter(hide)
     if not server.started and exit_code == 0:
         sys.exit(3)  # as uvicorn.run does (its STARTUP_FAILURE): the app never came up
     return exit_code

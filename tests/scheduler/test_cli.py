@@ -34,6 +34,15 @@ def test_cli_bad_flags_are_clear_errors(tmp_path):
     assert "org_retained_share: Input should be less than or equal to 1" in r.stderr
 
 
+def test_a_budget_that_cannot_hold_the_model_is_one_line_not_a_traceback(free_port):
+    argv = [*CMD, "--kv-budget", "1MiB", "--max-model-len", "100000", "--port", str(free_port())]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "cannot start: KV budget of 1.0 MiB" in r.stderr
+    assert "raise the budget or lower max_model_len" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_cli_serves_generate_and_stats_then_stops_on_sigterm(free_port):
     port = free_port()
     proc = subprocess.Popen(

@@ -13,6 +13,7 @@ from fastapi import FastAPI
 
 from cachepoint.engine import Engine, EngineConfig, ModelConfig
 from cachepoint.engine.device import resolve_device, resolve_dtype
+from cachepoint.serve import StartupError
 from cachepoint.telemetry import Telemetry, configure, instrument_server
 from cachepoint.tokenizer import Tokenizer
 
@@ -135,12 +136,19 @@ def create_app(
         own = engine is None
         eng: Engine | None = None
         scheduler: ReplicaCore
-        if settings.engine == "vllm":
-            scheduler = await _open_vllm(settings, sink)
-        else:
-            eng = await asyncio.to_thread(build_engine, settings) if own else engine
-            assert eng is not None
-            scheduler = Scheduler(eng, settings, sink=sink)
+        try:
+            if settings.engine == "vllm":
+                scheduler = await _open_vllm(settings, sink)
+            else:
+                eng = await asyncio.to_thread(build_engine, settings) if own else engine
+                assert eng is not None
+                scheduler = Scheduler(eng, settings, sink=sink)
+        except (ValueError, RuntimeError) as exc:
+            # NOTE: settings this machine cannot run (a KV budget too small for the
+            # model, a block or head size vLLM refuses, vLLM failing to start): one
+            # line saying so, not a traceback (cachepoint.serve prints it, exits 2).
+            app.state.startup_error = str(exc).splitlines()[0] if str(exc) else repr(exc)
+            raise StartupError(app.state.startup_error) from exc
         scheduler.tracer = tel.tracer
         metrics = ReplicaMetrics(scheduler)
         request_log = RequestLog(settings.name)

@@ -128,7 +128,14 @@ class VllmScheduler:
 
     async def open(self) -> None:
         """Build the engine (in a worker thread) and subscribe to its KV events."""
-        await self._start_engine()
+        try:
+            await self._start_engine()
+        except RuntimeError as exc:
+            # NOTE: vLLM logs the root cause from its engine process; its own exception
+            # here only says that there is one.
+            raise RuntimeError(
+                f"vLLM's engine failed to start ({exc}); vLLM's log lines above say why"
+            ) from exc
 
     def start(self) -> None:
         if self._watch_task is None:

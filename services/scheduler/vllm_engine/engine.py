@@ -101,7 +101,10 @@ class VllmEngine:
             # NOTE: collision resistant: the cache_salt keeps tenants apart only as long
             # as nobody can craft a prefix with another's hash (xxhash is refused).
             prefix_caching_hash_algo="sha256",
-            max_model_len=settings.max_model_len,
+            # NOTE: -1 is vLLM's auto-fit: the model's context if the KV budget holds
+            # one sequence that long, else the longest that fits (the torch engine
+            # sizes the random model's context to its budget the same way).
+            max_model_len=settings.max_model_len or -1,
             max_num_seqs=settings.max_num_seqs,
             # NOTE: the request's priority means what it means on the torch engine:
             # lower runs first, FIFO among equals (vLLM's "fcfs" would ignore it).
