@@ -42,6 +42,7 @@ def event_plane(settings: GatewaySettings, http: httpx.AsyncClient) -> GatewayBu
         heartbeat_interval_s=settings.heartbeat_interval_s,
         urls=UrlPolicy(settings.url_check, dict(settings.replicas)),
         max_epoch_skew_s=settings.max_epoch_skew_s,
+        block_size=settings.block_size,
     )
     password = settings.nats_password
     return GatewayBus(

@@ -73,6 +73,7 @@ class ReplicaDirectory:
         urls: UrlPolicy | None = None,
         max_epoch_skew_s: float = 60.0,
         wall_ns: Callable[[], int] = time.time_ns,
+        block_size: int | None = None,
     ) -> None:
         self.interval = heartbeat_interval_s
         self.miss_after = heartbeat_interval_s * miss_factor
@@ -80,6 +81,7 @@ class ReplicaDirectory:
         self.urls = urls or UrlPolicy()
         self.max_skew_ns = int(max_epoch_skew_s * 1e9)
         self.wall_ns = wall_ns  # epochs are wall-clock nanoseconds (time.time_ns)
+        self.block_size = block_size  # what routing hashes prompts with; None = unchecked
         self.replicas: dict[str, ReplicaState] = {}
         self.resyncs = 0  # snapshot resyncs started, ever
         self.heartbeat_misses = 0  # replicas taken out of routing for silence, ever
@@ -94,13 +96,31 @@ class ReplicaDirectory:
         """Count a refused message (by reason) and log it, at most once a minute per
         replica and reason: a flood of forgeries must not flood the log."""
         self.rejections[reason] = self.rejections.get(reason, 0) + 1
+        self._warn(reason, name, f"event plane: refused {reason} for replica {name!r}: {detail}")
+
+    def _warn(self, reason: str, name: str, message: str) -> None:
+        """Log ``message`` at most once a minute per replica and reason."""
         now = self.clock()
         last = self._logged.get((reason, name))
         if last is None or now - last >= _LOG_EVERY_S:
             if len(self._logged) >= 10_000:  # forged names must not grow it without end
                 self._logged.clear()
             self._logged[(reason, name)] = now
-            log.warning("event plane: refused %s for replica %r: %s", reason, name, detail)
+            log.warning("%s", message)
+
+    def _check_block_size(self, name: str, block_size: int) -> None:
+        # NOTE: routing hashes every prompt with one block size; a replica on another
+        # (vLLM on the CPU takes multiples of 32) is still routed by load, but none of
+        # its cached blocks can ever match. Said, not refused: the fleet keeps serving.
+        if self.block_size is not None and block_size != self.block_size:
+            self._warn(
+                "block_size",
+                name,
+                f"replica {name!r} uses KV blocks of {block_size} tokens but the gateway "
+                f"hashes prompts in blocks of {self.block_size}: none of its cache hits "
+                "can be routed to; give the gateway (--block-size) and every replica one "
+                "block size",
+            )
 
     def _future_epoch(self, name: str, epoch: int) -> bool:
         # NOTE: one forged epoch of 2**62 would otherwise make every real message of
@@ -151,6 +171,7 @@ class ReplicaDirectory:
             return False  # a late heartbeat from the previous process
         st.url = hb.url
         st.block_size = hb.block_size
+        self._check_block_size(hb.name, hb.block_size)
         st.model = hb.model
         self._set_draining(st, hb.draining)
         st.last_heartbeat = self.clock()
@@ -185,6 +206,7 @@ class ReplicaDirectory:
             self._new_epoch(st, epoch)
         st.url = url
         st.block_size = block_size
+        self._check_block_size(name, block_size)
         st.model = model
         self._set_draining(st, draining)
         st.last_polled = self.clock()

@@ -229,3 +229,19 @@ def test_a_malformed_stats_answer_changes_nothing(bad: dict[str, object]) -> Non
         d.on_stats("r0", "http://other:1", body)
     st = d.replicas["r0"]
     assert (st.epoch, st.url, st.block_size) == before  # no half-applied answer
+
+
+def test_a_replica_on_another_block_size_is_named_once_and_still_routed(caplog) -> None:
+    clock = ManualClock()
+    d = ReplicaDirectory(clock=clock, block_size=32)  # the gateway hashes in blocks of 32
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            d.on_heartbeat(hb("r0"))  # the heartbeat says 16
+    said = [r.getMessage() for r in caplog.records if "blocks of 16 tokens" in r.getMessage()]
+    assert len(said) == 1  # once a minute, not per heartbeat
+    assert "--block-size" in said[0]
+    assert [v.name for v in d.views() if v.live] == ["r0"]  # load routing goes on
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        ReplicaDirectory(clock=clock, block_size=16).on_heartbeat(hb("r1"))
+    assert not caplog.records

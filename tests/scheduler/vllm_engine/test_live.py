@@ -69,6 +69,11 @@ def test_a_read_needs_vllms_own_reuse_and_orgs_never_share(vllm_replica: VllmRep
     assert (other["engine_hit_tokens"], other["entry_hit_tokens"]) == (0, 0)
     assert other["written_1h_tokens"] == 150
 
+    # The same health and metrics endpoints as the torch replica's.
+    assert httpx.get(f"{vllm_replica.url}/healthz", timeout=5).status_code == 200
+    metrics = httpx.get(f"{vllm_replica.url}/metrics", timeout=5).text
+    assert 'cachepoint_prefix_cache_query_tokens_total{replica="vllm-0"}' in metrics
+    assert "cachepoint_ttft_seconds_count" in metrics
     stats = vllm_replica.stats()
     assert stats["engine"] == "vllm"
     assert stats["block_size"] == VLLM_BLOCK
