@@ -19,6 +19,24 @@ settings.register_profile("dev", deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
+# ---------------------------------------------------------------- parallel runs
+# NOTE: `make test` runs the suite on two xdist workers (--dist loadgroup): about a
+# third faster on two cores, where many tests wait on processes and sockets. Each module
+# is one group, so its module fixtures (a transformers model, a chart render) are built
+# once; the tests of a shared session fixture (the vLLM replica, a default stack) are one
+# group too, so one worker starts it (the vLLM replica takes tens of seconds), and the
+# vLLM restart test still comes last.
+# Session fixtures worth starting once: every test that uses one runs in its group.
+SHARED = ("vllm_replica", "default_stack")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        uses = getattr(item, "fixturenames", ())
+        shared = next((name for name in SHARED if name in uses), None)
+        item.add_marker(pytest.mark.xdist_group(shared or item.nodeid.split("::", 1)[0]))
+
+
 # ---------------------------------------------------------------- shared fixtures
 def _free_port() -> int:
     with socket.socket() as s:

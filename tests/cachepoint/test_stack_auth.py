@@ -15,7 +15,7 @@ import nats
 import pytest
 
 from cachepoint.credentials import NATS_CONF, SECRETS_JSON, StackCredentials
-from cachepoint.stack import Stack, nats_binary
+from cachepoint.stack import nats_binary
 
 
 def _mode(path) -> int:
@@ -45,38 +45,34 @@ def test_credentials_are_fresh_private_and_valid_for_nats(tmp_path):
 
 
 @pytest.mark.slow
-def test_stack_runs_with_nats_auth_and_no_secret_on_a_command_line(tmp_path, free_port):
-    stack = Stack(tmp_path / "state", replicas=1, port=free_port(), tracing=False)
-    stack.start()
-    try:
-        creds = stack.credentials
-        assert creds is not None
-        secrets = [*creds.nats.values(), creds.internal_token]
-        state = stack.state_dir
-        assert _mode(state / NATS_CONF) == 0o600 and _mode(state / SECRETS_JSON) == 0o600
-        for child in stack.children:
-            cmdline = Path(f"/proc/{child.proc.pid}/cmdline").read_bytes().decode()
-            assert not [s for s in secrets if s in cmdline], f"{child.name} has a secret in argv"
-        environ = Path(f"/proc/{stack.children[1].proc.pid}/environ").read_bytes()
-        assert b"\0CACHEPOINT_NATS_USER=replica-0\0" in environ
+def test_stack_runs_with_nats_auth_and_no_secret_on_a_command_line(default_stack):
+    stack = default_stack
+    creds = stack.credentials
+    assert creds is not None
+    secrets = [*creds.nats.values(), creds.internal_token]
+    state = stack.state_dir
+    assert _mode(state / NATS_CONF) == 0o600 and _mode(state / SECRETS_JSON) == 0o600
+    for child in stack.children:
+        cmdline = Path(f"/proc/{child.proc.pid}/cmdline").read_bytes().decode()
+        assert not [s for s in secrets if s in cmdline], f"{child.name} has a secret in argv"
+    environ = Path(f"/proc/{stack.children[1].proc.pid}/environ").read_bytes()
+    assert b"\0CACHEPOINT_NATS_USER=replica-0\0" in environ
 
-        async def anonymous() -> None:
-            await nats.connect(stack.nats_url, allow_reconnect=False, connect_timeout=2)
+    async def anonymous() -> None:
+        await nats.connect(stack.nats_url, allow_reconnect=False, connect_timeout=2)
 
-        with pytest.raises(Exception, match=r"(?i)authorization violation"):
-            asyncio.run(anonymous())
-        # start() returned, so the gateway saw the replica's heartbeat; a call goes through.
-        r = httpx.post(
-            f"{stack.base_url}/v1/messages",
-            headers={"x-api-key": stack.keys["api_key"]},
-            json={
-                "model": "cachepoint-tiny",
-                "max_tokens": 2,
-                "messages": [{"role": "user", "content": "hi"}],
-            },
-            timeout=60,
-        )
-        assert r.status_code == 200, r.text
-        assert r.headers["cachepoint-replica"] == "replica-0"
-    finally:
-        stack.stop()
+    with pytest.raises(Exception, match=r"(?i)authorization violation"):
+        asyncio.run(anonymous())
+    # start() returned, so the gateway saw the replica's heartbeat; a call goes through.
+    r = httpx.post(
+        f"{stack.base_url}/v1/messages",
+        headers={"x-api-key": stack.keys["api_key"]},
+        json={
+            "model": "cachepoint-tiny",
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    assert r.headers["cachepoint-replica"] == "replica-0"

@@ -71,28 +71,29 @@ def test_up_tokenizer_flag_is_documented_and_checked(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_stack_default_counts_smollm2_tokens_past_8192(tmp_path: Path, free_port) -> None:
-    stack = Stack(tmp_path / "state", replicas=1, port=free_port(), tracing=False)
-    stack.start()
-    try:
-        replica, gateway = _args(stack, "replica-0"), _args(stack, "gateway")
-        assert replica[replica.index("--tokenizer") + 1] == str(SMOLLM2)
-        assert gateway[gateway.index("--model-dir") + 1] == str(SMOLLM2)
-        assert "--kv-budget" not in replica  # the replica's 256 MiB: the full context
-        text = long_text(4000)  # 33,579 bytes; 11,610 tokens as SmolLM2 renders it
-        req, usage = _ask(stack, text)
-        # The gateway's count is SmolLM2's ChatML rendering, token for token.
-        want = len(build_renderer(SMOLLM2).render(req))
-        assert _prompt_tokens(usage) == want
-        assert 8192 < want < len(text.encode()) // 2
-        stats = httpx.get(
+def test_stack_default_counts_smollm2_tokens_past_8192(default_stack: Stack) -> None:
+    stack = default_stack
+
+    def stats() -> dict:
+        return httpx.get(
             f"{stack.children[1].url}/v1/stats",
             headers={"authorization": f"Bearer {stack.credentials.internal_token}"},
         ).json()
-        assert stats["query_tokens"] == want  # the replica saw the same ids
-        assert stats["max_model_len"] == RANDOM_CONTEXT
-    finally:
-        stack.stop()
+
+    replica, gateway = _args(stack, "replica-0"), _args(stack, "gateway")
+    assert replica[replica.index("--tokenizer") + 1] == str(SMOLLM2)
+    assert gateway[gateway.index("--model-dir") + 1] == str(SMOLLM2)
+    assert "--kv-budget" not in replica  # the replica's 256 MiB: the full context
+    before = stats()["query_tokens"]  # the stack is shared: count this test's call only
+    text = long_text(4000)  # 33,579 bytes; 11,610 tokens as SmolLM2 renders it
+    req, usage = _ask(stack, text)
+    # The gateway's count is SmolLM2's ChatML rendering, token for token.
+    want = len(build_renderer(SMOLLM2).render(req))
+    assert _prompt_tokens(usage) == want
+    assert 8192 < want < len(text.encode()) // 2
+    after = stats()
+    assert after["query_tokens"] - before == want  # the replica saw the same ids
+    assert after["max_model_len"] == RANDOM_CONTEXT
 
 
 @pytest.mark.slow

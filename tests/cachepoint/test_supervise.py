@@ -169,11 +169,11 @@ def _gateway_ready(stack: Stack) -> dict:
 
 
 @pytest.mark.slow
-def test_stack_restarts_a_killed_replica_and_nats(tmp_path, free_port):
+def test_stack_restarts_a_killed_replica_nats_and_gateway_at_once(tmp_path, free_port):
     events = []
     stack = Stack(
         state_dir=tmp_path / "state",
-        replicas=2,
+        replicas=1,
         port=free_port(),
         tracing=False,
         min_cacheable_tokens=64,
@@ -184,50 +184,37 @@ def test_stack_restarts_a_killed_replica_and_nats(tmp_path, free_port):
     try:
         by_name = {c.name: c for c in stack.children}
         seen_pids |= {c.pid for c in stack.children}
-        replica, nats = by_name["replica-0"], by_name["nats"]
-
-        old = replica.pid
-        os.kill(old, signal.SIGKILL)
-        _wait(lambda: replica.pid != old, 15, "replica-0 to be spawned again")
-        seen_pids.add(replica.pid)
+        replica, nats, gateway = by_name["replica-0"], by_name["nats"], by_name["gateway"]
+        old, old_nats, old_gw = replica.pid, nats.pid, gateway.pid
+        # All three at once (a node's bad minute): each is restarted on its own backoff,
+        # and they find each other again. The gateway's ledger is on disk, its port and
+        # flags are the same.
+        for pid in (old, old_nats, old_gw):
+            os.kill(pid, signal.SIGKILL)
+        _wait(
+            lambda: replica.pid != old and nats.pid != old_nats and gateway.pid != old_gw,
+            15,
+            "all three to be spawned again",
+        )
+        seen_pids |= {replica.pid, nats.pid, gateway.pid}
         _wait(lambda: httpx.get(f"{replica.url}/readyz", timeout=2).status_code == 200, 120, "r0")
-        ep = json.loads((stack.state_dir / "endpoint.json").read_text())
-        assert ep["pids"]["replica-0"] == replica.pid  # scripts see the new process
-
-        old_nats = nats.pid
-        os.kill(old_nats, signal.SIGKILL)
-        _wait(lambda: nats.pid != old_nats, 15, "nats-server to be spawned again")
-        seen_pids.add(nats.pid)
         port = int(stack.nats_url.rsplit(":", 1)[1])
         _wait(lambda: socket.create_connection(("127.0.0.1", port), 1).close() or True, 15, "nats")
         _wait(
             lambda: (
                 (b := _gateway_ready(stack))["event_plane"] == "connected"
-                and b["replicas_live"] == 2
+                and b["replicas_live"] == 1
             ),
             60,
-            "the gateway to reconnect and see both replicas",
+            "the new gateway to reconnect and see the replica",
         )
-
-        # The gateway too: its ledger is on disk, its port and flags are the same.
-        gateway = by_name["gateway"]
-        old_gw = gateway.pid
-        os.kill(old_gw, signal.SIGKILL)
-        _wait(lambda: gateway.pid != old_gw, 15, "the gateway to be spawned again")
-        seen_pids.add(gateway.pid)
-        _wait(
-            lambda: (
-                (b := _gateway_ready(stack))["event_plane"] == "connected"
-                and b["replicas_live"] == 2
-            ),
-            60,
-            "the new gateway to see both replicas",
-        )
+        ep = json.loads((stack.state_dir / "endpoint.json").read_text())
+        assert ep["pids"]["replica-0"] == replica.pid  # scripts see the new process
 
         client = anthropic.Anthropic(
             base_url=stack.base_url, api_key=stack.keys["api_key"], max_retries=0, timeout=60
         )
-        for _ in range(3):  # cache-aware routing may pick either; both must answer
+        for _ in range(2):
             msg = client.messages.create(
                 model="cachepoint-tiny",
                 max_tokens=4,

@@ -63,31 +63,6 @@ def _as_if_backgrounded() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-@pytest.mark.slow
-def test_up_serves_until_ctrl_c_also_when_started_in_the_background(tmp_path, free_port):
-    """Ctrl-C (SIGINT) stops it when it inherited SIGINT ignored, as a job started with
-    `&` by a non-interactive shell does. (The foreground Ctrl-C ends
-    test_up_restarts_a_killed_replica_and_nats.)"""
-    port = free_port()
-    state = tmp_path / "state"
-    proc = subprocess.Popen(
-        [*CMD, "--state-dir", str(state), "--port", str(port), "--replicas", "1"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        preexec_fn=_as_if_backgrounded,
-    )
-    try:
-        _wait_for_endpoint(proc, state)
-        ep = json.loads((state / "endpoint.json").read_text())
-        _say(ep, "hi")
-    finally:
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0, out
-    assert not [n for n, pid in ep["pids"].items() if _alive(pid)], "orphan processes left"
-
-
 def _wait_for_endpoint(proc: subprocess.Popen[str], state) -> None:
     """Until `cachepoint up` has written endpoint.json (it is serving by then)."""
     deadline = time.time() + 180
@@ -123,7 +98,9 @@ def _endpoint(state) -> dict:
 
 @pytest.mark.slow
 def test_up_restarts_a_killed_replica_and_nats(tmp_path, free_port):
-    """kill -9 of a replica or of nats-server used to stop the whole stack."""
+    """kill -9 of a replica or of nats-server used to stop the whole stack. Started as a
+    non-interactive shell starts a job with `&` (SIGINT inherited ignored), the Ctrl-C
+    at the end must still stop it: `cachepoint up` installs its own SIGINT handler."""
     port = free_port()
     state = tmp_path / "state"
     proc = subprocess.Popen(
@@ -132,6 +109,7 @@ def test_up_restarts_a_killed_replica_and_nats(tmp_path, free_port):
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,  # Ctrl-C below goes to the group, as a terminal's does
+        preexec_fn=_as_if_backgrounded,
     )
     pids: set[int] = set()
     try:
