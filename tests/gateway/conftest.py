@@ -66,7 +66,8 @@ BOTH_ENGINES = {"test_conformance.py", "test_history_e2e.py"}
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "stack" in metafunc.fixturenames and Path(metafunc.definition.path).name in BOTH_ENGINES:
-        engines = ["torch", pytest.param("vllm", marks=pytest.mark.slow)]
+        vllm_marks = [pytest.mark.slow, pytest.mark.xdist_group("vllm_replica")]
+        engines = ["torch", pytest.param("vllm", marks=vllm_marks)]
         metafunc.parametrize("stack", engines, indirect=True)
 
 
