@@ -208,9 +208,13 @@ class VllmScheduler:
         if engine is not None:
             await asyncio.to_thread(engine.shutdown)
 
-    async def _events(self, endpoints: tuple[str, str], ready: asyncio.Event) -> None:
+    async def _events(
+        self, endpoints: tuple[str, str], ready: asyncio.Event, *, from_start: bool = True
+    ) -> None:
         try:
-            await events.subscribe(endpoints[0], endpoints[1], self._on_vllm_events, ready=ready)
+            await events.subscribe(
+                endpoints[0], endpoints[1], self._on_vllm_events, ready=ready, from_start=from_start
+            )
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # a gap vLLM could not replay, or ZMQ failed
@@ -267,7 +271,9 @@ class VllmScheduler:
         endpoints = event_endpoints(self.name)
         ready = asyncio.Event()
         self._events_failed = None
-        self._events_task = asyncio.create_task(self._events(endpoints, ready), name="vllm-kv")
+        self._events_task = asyncio.create_task(
+            self._events(endpoints, ready, from_start=False), name="vllm-kv"
+        )
 
     # ---------------------------------------------------------------- intake
 

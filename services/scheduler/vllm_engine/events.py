@@ -85,8 +85,13 @@ async def subscribe(
     on_batch: Callable[[list[Any]], Awaitable[None] | None],
     *,
     ready: asyncio.Event | None = None,
+    from_start: bool = True,
 ) -> None:
     """Receive vLLM's batches in order and hand each one's events to ``on_batch``.
+
+    ``from_start``: the stream from vLLM's first batch (a subscriber that joins as the
+    engine starts); otherwise from the first batch received (one that joins a running
+    engine after a resync, its mirror started over).
 
     Raises `EventGap` when a gap could not be filled. Runs until cancelled.
     """
@@ -103,8 +108,10 @@ async def subscribe(
     decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
     # NOTE: vLLM numbers a publisher's batches from 0, and a SUB socket joins late (ZMQ
     # drops what a PUB sends before the subscription lands): starting at -1, a first
-    # batch that was missed is a gap to replay like any other.
-    last = -1
+    # batch that was missed is a gap to replay like any other. Not after a resync: the
+    # history before it is not wanted, and past vLLM's replay buffer it is not there
+    # either (asking for it again was one EventGap, and one resync, after another).
+    last: int | None = -1 if from_start else None
 
     async def deliver(payload: bytes) -> None:
         result = on_batch(decoder.decode(payload).events)
@@ -117,6 +124,8 @@ async def subscribe(
         while True:
             _topic, seq_bytes, payload = await sub.recv_multipart()
             seq = int.from_bytes(seq_bytes, "big")
+            if last is None:
+                last = seq - 1
             if seq != last + 1:
                 if seq <= last:
                     continue  # a duplicate (already replayed)
