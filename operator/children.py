@@ -1,5 +1,5 @@
-"""Apply the builders' output to the cluster: the CacheReplica's Service, its
-PodDisruptionBudget and its member pods.
+"""Apply the builders' output to the cluster: the CacheReplica's NetworkPolicy, its
+Service, its PodDisruptionBudget and its member pods.
 
 Each function reads what exists, compares it with what the builders want and sends
 only the difference, so running it twice changes nothing the second time.
@@ -17,6 +17,7 @@ from .config import OperatorConfig
 from .disruption import build_replica_pdb, pdb_drift, pdb_name
 from .members import Plan, observe, plan
 from .naming import selector_string, service_name
+from .network import build_replica_network_policy, network_policy_drift
 from .pod import build_replica_pod, template_hash
 from .service import build_replica_service, service_drift
 from .spec import ReplicaSpec
@@ -73,6 +74,20 @@ def ensure_pdb(owner: kopf.Body, replica: str, namespace: str, spec: ReplicaSpec
     )  # fmt: skip
 
 
+def ensure_network_policy(
+    owner: kopf.Body, replica: str, namespace: str, config: OperatorConfig
+) -> str | None:
+    """Create the members' NetworkPolicy or bring its spec back; nothing when the
+    operator keeps none (config.network_policy off: no NetworkPolicy call at all)."""
+    if not config.network_policy:
+        return None
+    desired = build_replica_network_policy(replica=replica, namespace=namespace, config=config)
+    return _ensure(
+        owner, desired, "NetworkPolicy", kube.get_network_policy, kube.create_network_policy,
+        network_policy_drift, kube.patch_network_policy,
+    )  # fmt: skip
+
+
 def converge_members(
     owner: kopf.Body,
     replica: str,
@@ -108,7 +123,11 @@ def converge_members(
 
 def remove_children(namespace: str, replica: str, uid: str) -> int:
     """Delete the member pods, the Service and the PodDisruptionBudget this object owns;
-    how many objects went."""
+    how many objects went.
+
+    NOTE: not the NetworkPolicy: it guards members still terminating, and the garbage
+    collector removes it (owner reference) once the CacheReplica itself is gone.
+    """
     removed = sum(
         kube.delete_pod(namespace, pod["metadata"]["name"])
         for pod in owned_pods(namespace, replica, uid)

@@ -1,16 +1,20 @@
 """Operator-wide settings, read once from CACHEPOINT_OPERATOR_* environment variables.
 
 These are the things a CacheReplica should not have to repeat: where the release's
-NATS and OTLP collector live (the chart sets them), and how often to poll members.
+NATS and OTLP collector live (the chart sets them), who may reach the members (the
+release's gateway and operator pods, and the metrics scrapers), and how often to poll
+members. Structured values (labels, peers) come as JSON.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Mapping
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 ENV_PREFIX = "CACHEPOINT_OPERATOR_"
 
@@ -34,8 +38,49 @@ class OperatorConfig(BaseModel):
         None, description="the NATS users Secret to maintain in release_namespace; None = none"
     )
     release_namespace: str | None = Field(
-        None, description="namespace of the chart's NATS and of nats_users_secret"
+        None,
+        description="the chart's namespace: where NATS, nats_users_secret, the gateway and "
+        "the operator run",
     )
+    network_policy: bool = Field(
+        False,
+        description="keep one NetworkPolicy per CacheReplica in its namespace: the members' "
+        "http port only from the gateway and operator pods in release_namespace and from "
+        "metrics_from",
+    )
+    gateway_pod_labels: dict[str, str] = Field(
+        default_factory=dict, description="labels of the gateway's pods (JSON object)"
+    )
+    operator_pod_labels: dict[str, str] = Field(
+        default_factory=dict, description="labels of the operator's own pods (JSON object)"
+    )
+    metrics_from: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="NetworkPolicyPeers that may also reach the members' http port, for "
+        "their /metrics (JSON list); empty = none",
+    )
+
+    @field_validator("gateway_pod_labels", "operator_pod_labels", "metrics_from", mode="before")
+    @classmethod
+    def _from_json(cls, value: Any) -> Any:
+        """The environment holds these as JSON (the chart writes them with toJson)."""
+        if isinstance(value, str):
+            return json.loads(value)
+        return value
+
+    @model_validator(mode="after")
+    def _network_policy_knows_its_peers(self) -> OperatorConfig:
+        # NOTE: an empty podSelector next to a namespaceSelector matches every pod of the
+        # release namespace: refuse to start rather than open the members that wide.
+        if self.network_policy:
+            missing = [
+                name
+                for name in ("release_namespace", "gateway_pod_labels", "operator_pod_labels")
+                if not getattr(self, name)
+            ]
+            if missing:
+                raise ValueError(f"network_policy needs {', '.join(missing)}")
+        return self
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorConfig:

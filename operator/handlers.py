@@ -1,14 +1,15 @@
 """kopf handlers for CacheReplica: thin glue between events and the pure builders.
 
 - create / update / resume: check the spec, then the credentials Secret and this
-  CacheReplica's users in the NATS users include, then converge the Service, the
-  PodDisruptionBudget and the members (rolling within spec.rollout.maxUnavailable);
-  TemporaryError until the roll settles.
+  CacheReplica's users in the NATS users include, then converge the NetworkPolicy
+  (before any member exists), the Service, the PodDisruptionBudget and the members
+  (rolling within spec.rollout.maxUnavailable); TemporaryError until the roll settles.
 - an index of member pods (one watch stream for all of them), so the timer lists none.
-- a timer: re-assert the credentials and NATS users, heal missing and Failed members,
-  poll every member's /v1/stats (with the internal token), write status when it changed.
+- a timer: re-assert the credentials, the NATS users and the NetworkPolicy, heal
+  missing and Failed members, poll every member's /v1/stats (with the internal token),
+  write status when it changed.
 - delete: remove the children and the credentials, drop the NATS users, then kopf
-  releases the finalizer.
+  releases the finalizer; the garbage collector takes the NetworkPolicy after that.
 - one pruner per operator (startup to cleanup): drops the NATS users of every
   CacheReplica that is gone or being deleted, whatever wrote them back.
 
@@ -136,6 +137,8 @@ def reconcile(
         passwords = credentials.ensure_credentials(body, name, namespace, replica.replicas, CONFIG)
         if credentials.sync_nats_users(CONFIG, namespace, name, passwords):
             logger.info("NATS users updated")
+        # Before the members: none of them ever runs without its ingress policy.
+        policy = children.ensure_network_policy(body, name, namespace, CONFIG)
         service = children.ensure_service(body, name, namespace, replica)
         budget = children.ensure_pdb(body, name, namespace, replica)
         step = children.converge_members(body, name, namespace, uid, replica, CONFIG, roll=True)
@@ -158,6 +161,8 @@ def reconcile(
         raise kopf.TemporaryError(str(e), delay=max(60.0, CONFIG.retry_delay)) from e
     _create_failures(memo).clear()
     _report_finished(body, step, logger)
+    if policy:
+        logger.info(f"NetworkPolicy {policy}")
     if service:
         logger.info(f"Service {service}")
     if budget:
@@ -267,6 +272,15 @@ async def refresh_status(
                 await asyncio.to_thread(
                     credentials.sync_nats_users, CONFIG, namespace, name, passwords
                 )
+                # Level-based too, and before healing members: a policy deleted or
+                # widened by hand is put back within a tick, and no member is created
+                # while its policy cannot be (the except clauses below skip that).
+                policy = await asyncio.to_thread(
+                    children.ensure_network_policy, body, name, namespace, CONFIG
+                )
+                failures.pop("NetworkPolicy", None)
+                if policy:
+                    logger.info(f"NetworkPolicy {policy}")
                 step = await asyncio.to_thread(
                     children.converge_members,
                     body,
@@ -286,7 +300,7 @@ async def refresh_status(
     except ApiException as e:
         logger.warning(f"cannot converge members: {e.status} {e.reason}")
         return
-    except credentials.ForeignSecret as e:
+    except (children.ForeignChild, credentials.ForeignSecret) as e:
         logger.warning(str(e))
         return
     urls = {

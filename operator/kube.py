@@ -236,3 +236,29 @@ def patch_pdb(namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
 def delete_pdb(namespace: str, name: str) -> bool:
     method = _policy().delete_namespaced_pod_disruption_budget
     return _call(404, method, name, namespace) is not None
+
+
+# NetworkPolicies: no delete. The policy must outlive the members it guards, so the
+# garbage collector removes it (owner reference) once the CacheReplica itself is gone.
+def _networking() -> kubernetes.client.NetworkingV1Api:
+    return kubernetes.client.NetworkingV1Api(kubernetes.client.ApiClient())
+
+
+def get_network_policy(namespace: str, name: str) -> dict[str, Any] | None:
+    response = _call(404, _networking().read_namespaced_network_policy, name, namespace)
+    return None if response is None else _json(response)
+
+
+def create_network_policy(policy: dict[str, Any]) -> bool:
+    return _create("NetworkPolicy", _networking().create_namespaced_network_policy, policy)
+
+
+def patch_network_policy(namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
+    _networking().patch_namespaced_network_policy(
+        name,
+        namespace,
+        ops,
+        _content_type=JSON_PATCH,
+        _preload_content=False,
+        _request_timeout=TIMEOUT,
+    )

@@ -231,6 +231,9 @@ def test_operator_rbac_is_least_privilege(rendered: dict[str, list[dict[str, Any
     needed |= {("policy", "poddisruptionbudgets", v) for v in ("get", "create", "patch", "delete")}
     needed |= {("", "events", "create")}
     needed |= {("", "secrets", v) for v in ("get", "create", "patch", "delete")}
+    # Each CacheReplica's NetworkPolicy (networkPolicy.enabled): no delete, the garbage
+    # collector removes it with its CacheReplica.
+    needed |= {("networking.k8s.io", "networkpolicies", v) for v in ("get", "create", "patch")}
     # Two operator replicas with kopf peering (the default): cluster-wide peering object.
     needed |= {("kopf.dev", "clusterkopfpeerings", v) for v in ("get", "list", "watch", "patch")}
     assert granted == needed

@@ -23,8 +23,10 @@ import nats
 import pytest
 from nats.errors import Error as NatsError
 
+from cachepoint.operator.config import OperatorConfig
 from cachepoint.operator.naming import common_labels
 from cachepoint.operator.nats_auth import build_users_conf, member_users
+from cachepoint.operator.network import build_replica_network_policy
 
 from .conftest import NAMESPACE, RELEASE, render
 from .test_chart import FULLNAME, env, objects, one
@@ -345,8 +347,9 @@ def test_network_policies(rendered: dict[str, list[dict[str, Any]]], helm: str) 
     policies = {
         (p["metadata"]["namespace"], n): p for n, p in objects(docs, "NetworkPolicy").items()
     }
+    # The replicas' policy is the operator's, one per CacheReplica in its namespace.
     assert set(policies) == {
-        (NAMESPACE, f"{FULLNAME}-{c}") for c in ("nats", "replicas", "gateway", "postgresql")
+        (NAMESPACE, f"{FULLNAME}-{c}") for c in ("nats", "gateway", "postgresql")
     }
     gateway_pods = {
         "app.kubernetes.io/name": "cachepoint",
@@ -360,9 +363,16 @@ def test_network_policies(rendered: dict[str, list[dict[str, Any]]], helm: str) 
     assert nats_peers[1]["namespaceSelector"] == {}
     assert nats_peers[1]["podSelector"]["matchLabels"].items() <= member_labels.items()
     assert len(nats_peers) == 2
-    # Replicas: selected by the labels the operator puts on members; only the gateway
-    # and the operator of this release, from the release namespace.
-    replicas = policies[(NAMESPACE, f"{FULLNAME}-replicas")]
+    # Replicas: the operator's policy from the chart's settings, in any namespace:
+    # selected by the labels the operator puts on members; only the gateway and the
+    # operator of this release, from the release namespace.
+    operator = one(docs, "Deployment", f"{FULLNAME}-operator")["spec"]["template"]["spec"]
+    config = OperatorConfig.from_env(
+        {k: v for k, v in env(operator["containers"][0]).items() if isinstance(v, str)}
+    )
+    replicas = build_replica_network_policy(
+        replica="any-replica", namespace="team-a", config=config
+    )
     assert replicas["spec"]["podSelector"]["matchLabels"].items() <= member_labels.items()
     # ... and scrapers (networkPolicy.metricsFrom, tests/charts/test_gateway_metrics.py).
     *sources, scraper = _peers(replicas, "http")
@@ -384,12 +394,14 @@ def test_network_policies(rendered: dict[str, list[dict[str, Any]]], helm: str) 
     assert gateway["spec"]["ingress"][0] == {"ports": [{"port": "http", "protocol": "TCP"}]}
     assert [r["ports"][0]["port"] for r in gateway["spec"]["ingress"]] == ["http", "metrics"]
 
-    # One replicas policy per namespace the operator creates members in.
+    # None rendered by the chart in the watched namespaces either: the operator's cover
+    # them, as every other namespace (no two policies to keep alike).
     docs = render(helm, "default", "--set", "operator.watchNamespaces={ml-a,ml-b,cachepoint}")
-    spread = [p["metadata"]["namespace"] for p in objects_all(docs, "NetworkPolicy", "replicas")]
-    assert sorted(spread) == ["cachepoint", "ml-a", "ml-b"]
+    assert objects_all(docs, "NetworkPolicy", "replicas") == []
     off = render(helm, "default", "--set", "networkPolicy.enabled=false")
     assert objects(off, "NetworkPolicy") == {}
+    operator = one(off, "Deployment", f"{FULLNAME}-operator")["spec"]["template"]["spec"]
+    assert "CACHEPOINT_OPERATOR_NETWORK_POLICY" not in env(operator["containers"][0])
 
 
 def objects_all(docs: list[dict[str, Any]], kind: str, component: str) -> list[dict[str, Any]]:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from cachepoint.operator.config import OperatorConfig
+from cachepoint.operator.network import build_replica_network_policy
+
 from .conftest import render
 from .test_chart import FULLNAME, one
 
@@ -37,6 +40,20 @@ def _ingress(docs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     return rules
 
 
+def _replica_peers(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Who the operator lets reach a member's http port, with the rendered settings."""
+    container = one(docs, "Deployment", f"{FULLNAME}-operator")["spec"]["template"]["spec"][
+        "containers"
+    ][0]
+    config = OperatorConfig.from_env(
+        {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    )
+    policy = build_replica_network_policy(replica="llama", namespace="team-a", config=config)
+    (rule,) = policy["spec"]["ingress"]
+    peers: list[dict[str, Any]] = rule["from"]
+    return peers
+
+
 def test_network_policy_lets_only_scrapers_reach_metrics(helm: str) -> None:
     docs = render(helm, "default")
     monitoring = {
@@ -47,10 +64,11 @@ def test_network_policy_lets_only_scrapers_reach_metrics(helm: str) -> None:
     scrape = next(r for r in gateway if r["ports"][0]["port"] == "metrics")
     assert "from" not in api  # the API is public
     assert scrape["from"] == [monitoring]  # the billing totals are not
-    # Replicas serve /metrics on their http port: scrapers join the gateway and operator.
-    replicas = _ingress(docs, f"{FULLNAME}-replicas")
-    assert monitoring in replicas[0]["from"]
+    # Replicas serve /metrics on their http port: scrapers join the gateway and operator
+    # in each CacheReplica's policy, which the operator builds from these settings.
+    assert monitoring in _replica_peers(docs)
 
     closed = render(helm, "default", "--set", "networkPolicy.metricsFrom=null")
     assert [r["ports"][0]["port"] for r in _ingress(closed, f"{FULLNAME}-gateway")] == ["http"]
-    assert monitoring not in _ingress(closed, f"{FULLNAME}-replicas")[0]["from"]
+    assert monitoring not in _replica_peers(closed)
+    assert len(_replica_peers(closed)) == 2  # the gateway and the operator

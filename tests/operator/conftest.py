@@ -56,6 +56,7 @@ SERVICES = "v1/services"
 EVENTS = "v1/events"
 SECRETS = "v1/secrets"
 PDBS = "policy/v1/poddisruptionbudgets"
+NETPOLS = "networking.k8s.io/v1/networkpolicies"
 
 
 def cache_replica(name: str, **spec: Any) -> dict[str, Any]:
@@ -150,6 +151,7 @@ def prepare_cluster(kmock: ApiServer, kubeconfig: Path) -> Cluster:
     kmock.resources[EVENTS] = ResourceInfo(kind="Event", namespaced=True, verbs=verbs)
     kmock.resources[SECRETS] = ResourceInfo(kind="Secret", namespaced=True, verbs=verbs)
     kmock.resources[PDBS] = ResourceInfo(kind="PodDisruptionBudget", namespaced=True, verbs=verbs)
+    kmock.resources[NETPOLS] = ResourceInfo(kind="NetworkPolicy", namespaced=True, verbs=verbs)
     # kopf waits for these two to be discoverable before it starts, even though with
     # scanning disabled and -A it never lists them (listing namespaces trips kmock 0.8).
     kmock.resources["v1/namespaces"] = ResourceInfo(kind="Namespace", namespaced=False, verbs=verbs)

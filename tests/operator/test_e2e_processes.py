@@ -444,6 +444,15 @@ async def test_two_namespaces_two_models_roll_evict_kill_and_scale(
     await _wait(lambda: len(_ready_members(kubectl, "team-a", "alpha")) == 2, "alpha ready")
     await _wait(lambda: len(_ready_members(kubectl, "team-b", "beta")) == 1, "beta ready")
     await _wait(lambda: live_is(3), "the gateway sees 3 members over NATS", 60)
+    # Each namespace holds its members' ingress policy, made from the chart's settings
+    # (the chart renders none in team-a or team-b). Nothing here enforces it: no CNI.
+    for ns, name in (("team-a", "alpha"), ("team-b", "beta")):
+        policy = kubectl.get("networking.k8s.io/v1/networkpolicies", ns, f"{name}-ingress")
+        assert policy is not None, f"no NetworkPolicy for {ns}/{name}"
+        peers = policy["spec"]["ingress"][0]["from"]
+        assert peers[0]["namespaceSelector"]["matchLabels"] == {
+            "kubernetes.io/metadata.name": RELEASE_NS
+        }
 
     # Routing by model: each model's requests reach only its own CacheReplica.
     served = []

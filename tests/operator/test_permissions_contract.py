@@ -96,6 +96,9 @@ OPERATOR_CALLS = {
     *(("policy", "poddisruptionbudgets", v) for v in ("get", "create", "patch", "delete")),
     ("", "events", "create"),
     *(("", "secrets", v) for v in ("get", "create", "patch", "delete")),
+    # Each CacheReplica's NetworkPolicy (the chart's default networkPolicy.enabled); the
+    # garbage collector deletes it, the operator never does.
+    *(("networking.k8s.io", "networkpolicies", v) for v in ("get", "create", "patch")),
 }
 
 

@@ -307,7 +307,9 @@ is on, e.g. OpenShift, blockOwnerDeletion in its children's owner references nee
 lists and watches member pods (its pod index), creates and deletes them; reads, creates,
 patches and deletes the headless Service and the PodDisruptionBudget; posts Events;
 reads, creates, patches and deletes each CacheReplica's credentials Secret (no list or
-watch: it never reads other Secrets in bulk). Nothing cluster-wide beyond these
+watch: it never reads other Secrets in bulk); with networkPolicy.enabled reads, creates
+and patches each CacheReplica's NetworkPolicy (no delete: the garbage collector removes
+it with its CacheReplica). Nothing cluster-wide beyond these
 resources: kopf's CRD and namespace scanning is disabled (operator/handlers.py).
 Shared by the ClusterRole (all namespaces) and the per-namespace Roles; with several
 operator pods also kopf's peering rules (cachepoint.operatorPeeringRules).
@@ -338,6 +340,11 @@ Takes: the root context.
 - apiGroups: [""]
   resources: [secrets]
   verbs: [get, create, patch, delete]
+{{- if .Values.networkPolicy.enabled }}
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, create, patch]
+{{- end }}
 {{- with include "cachepoint.operatorPeeringRules" . }}
 {{ . }}
 {{- end }}
