@@ -31,6 +31,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -41,7 +42,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from cachepoint.engine import DecodeRequest, Engine, EngineConfig, ModelConfig, PrefillRequest
 from cachepoint.engine.generate import BlockAllocator
 from cachepoint.engine.tokenizer import BYTE_VOCAB_SIZE
-from cachepoint.scheduler.scheduler import Scheduler
+from cachepoint.scheduler.scheduler import Scheduler, engine_executor
 from cachepoint.scheduler.schemas import GenerateRequest
 from cachepoint.scheduler.settings import ReplicaSettings
 
@@ -126,13 +127,20 @@ def tiny_engine_steps(args: argparse.Namespace) -> tuple[float, float]:
     return prefill, decode
 
 
-async def _tiny_spans(args: argparse.Namespace) -> tuple[float, float, int]:
+async def _tiny_spans(
+    args: argparse.Namespace, thread: ThreadPoolExecutor
+) -> tuple[float, float, int]:
     mc = ModelConfig.tiny(max_position_embeddings=2**14)
-    engine = Engine(mc, EngineConfig(kv_cache_bytes=64 << 20), seed=0)
+    # NOTE: built on the thread that steps it, as the replica's app does (engine_executor).
+    engine = await asyncio.get_running_loop().run_in_executor(
+        thread, lambda: Engine(mc, EngineConfig(kv_cache_bytes=64 << 20), seed=0)
+    )
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    sched = Scheduler(engine, ReplicaSettings(name="bench", random_turn_tokens=0))
+    sched = Scheduler(
+        engine, ReplicaSettings(name="bench", random_turn_tokens=0), engine_thread=thread
+    )
     sched.tracer = provider.get_tracer("engine_bench")
     sched.start()
     total, cached = args.tiny_prompt, args.tiny_cached
@@ -239,7 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     verdicts: list[tuple[str, bool]] = []
 
-    rates = decode_scaling(args)
+    # NOTE: every part's torch work on one thread, the scheduler's included, as in a
+    # replica process (see engine_executor): a second thread's OpenMP team would slow
+    # every step on 2 cores.
+    thread = engine_executor("bench")
+    rates = thread.submit(decode_scaling, args).result()
     print(f"\n1. decode over a shared {args.context}-token prefix (25.6M-parameter model)")
     for width, rate in rates.items():
         print(f"   batch {width:>3}: {rate:8.1f} tokens/s  ({rate / rates[1]:.2f}x batch 1)")
@@ -247,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         (f"batch 8 >= 4x batch 1 ({rates[8] / rates[1]:.2f}x)", rates[8] >= 4 * rates[1])
     )
 
-    prefill, decode = tiny_engine_steps(args)
-    span_prefill, span_decode, tokens = asyncio.run(_tiny_spans(args))
+    prefill, decode = thread.submit(tiny_engine_steps, args).result()
+    span_prefill, span_decode, tokens = asyncio.run(_tiny_spans(args, thread))
+    thread.shutdown()
     new = args.tiny_prompt - args.tiny_cached
     print(f"\n2. tiny model, {args.tiny_prompt}-token prompt, {args.tiny_cached} cached, {new} new")
     print(f"   engine prefill step        {prefill * 1e3:7.2f} ms")

@@ -29,7 +29,6 @@ from cachepoint.engine import (
     Engine,
     PrefillRequest,
     SamplingParams,
-    StepOutput,
     StopChecker,
 )
 from cachepoint.engine.sampling import make_generator, sample_each
@@ -96,6 +95,18 @@ class StepBatch:
         return [s for s, _ in self.prefills] + [s for s, _ in self.decodes]
 
 
+def engine_executor(name: str) -> ThreadPoolExecutor:
+    """The one thread a replica's engine is built on and stepped on.
+
+    NOTE: one and the same thread for both: torch keeps an OpenMP team per thread that
+    runs a parallel op, and once a process's OpenMP threads outnumber its cores libgomp
+    stops spinning between parallel regions and sleeps instead. An engine built on one
+    thread (asyncio.to_thread's) and stepped on another paid a futex wake per op: a
+    tiny-model decode step took 1.8 ms instead of 0.85 on 2 cores.
+    """
+    return ThreadPoolExecutor(1, thread_name_prefix=f"engine-{name}")
+
+
 class Scheduler:
     """Owns the replica's kvcore pool and drives its engine."""
 
@@ -108,10 +119,15 @@ class Scheduler:
         sink: EventSink | None = None,
         on_finish: FinishHook | None = None,
         num_blocks: int | None = None,
+        engine_thread: ThreadPoolExecutor | None = None,
     ) -> None:
         """``num_blocks`` caps the pool at that many of the engine's blocks (default:
         all): benchmarks on a GPU, whose engine sizes its pool by free memory, use it to
-        run on a pool of a chosen size. It must hold one max_model_len sequence."""
+        run on a pool of a chosen size. It must hold one max_model_len sequence.
+
+        ``engine_thread``: the one-thread executor that built ``engine`` (see
+        :func:`engine_executor`); the scheduler runs every step on it, and whoever
+        made it shuts it down. Default: a new one of the scheduler's own."""
         self.engine = engine
         self.settings = settings
         self.name = settings.name
@@ -159,10 +175,8 @@ class Scheduler:
         self.preemptions = 0  # running sequences requeued to recompute, ever
         self._ids: set[str] = set()
         self._wake = asyncio.Event()
-        # NOTE: every step on one and the same thread: torch keeps an OpenMP team per
-        # calling thread, and asyncio.to_thread's pool hands steps to whichever worker
-        # is idle; on 2 cores that took a tiny-model decode step from 1.6 to 2.5 ms.
-        self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{self.name}")
+        self._own_thread = engine_thread is None
+        self._engine_thread = engine_thread or engine_executor(self.name)
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         # NOTE: set by draining.Drainer and never cleared: a replica that drains is on
@@ -220,7 +234,8 @@ class Scheduler:
                 await self._task
             self._task = None
         # The loop is done, so no step is in flight; a step of a dead loop may still be.
-        self._engine_thread.shutdown(wait=False)
+        if self._own_thread:
+            self._engine_thread.shutdown(wait=False)
         for seq in [*self.waiting, *self.running]:
             self._finish(seq, error=OverloadedError("replica is shutting down"))
         self.flush_events()
@@ -444,11 +459,8 @@ class Scheduler:
                 continue
             t0 = time.perf_counter()
             try:
-                out = await asyncio.get_running_loop().run_in_executor(
-                    self._engine_thread,
-                    self.engine.step,
-                    [r for _, r in batch.prefills],
-                    [r for _, r in batch.decodes],
+                tokens = await asyncio.get_running_loop().run_in_executor(
+                    self._engine_thread, self._forward, batch, self._to_sample(batch)
                 )
             except Exception as exc:  # the forward failed: every sequence in it fails
                 log.warning("engine step failed: %s", exc)
@@ -459,7 +471,7 @@ class Scheduler:
                 computed = sum(len(r.token_ids) - r.num_cached_tokens for _, r in batch.prefills)
                 self.rates.prefill(computed, time.perf_counter() - t0)
                 try:
-                    self._advance(batch, out)
+                    self._advance(batch, tokens)
                 except Exception as exc:  # not one sequence's: the step's output itself
                     for seq in batch.seqs:
                         self._fail(seq, exc)
@@ -784,29 +796,64 @@ class Scheduler:
         admit.end()
         seq.prefill_span = self.tracer.start_span("prefill", context=seq.otel_ctx)
 
-    def _advance(self, batch: StepBatch, out: StepOutput) -> None:
-        """Commit finished prefills, sample, append. Whatever raises for one sequence
-        (its commit, its sampling parameters, decoding its text) fails that one alone."""
-        sampled: list[tuple[SequenceState, torch.Tensor]] = []
+    @staticmethod
+    def _to_sample(batch: StepBatch) -> list[int]:
+        """Which prefills finish their prompt this step (indices into ``batch.prefills``):
+        they and every decode get a token. Decided on the loop's thread, before the
+        step, so the engine thread reads nothing the loop may change meanwhile."""
+        return [
+            i
+            for i, (seq, req) in enumerate(batch.prefills)
+            if len(req.token_ids) == seq.prefill_len
+        ]
+
+    def _forward(self, batch: StepBatch, finishing: list[int]) -> list[int | Exception] | Exception:
+        """One step on the engine thread: the forward, then one token for each row that
+        needs one (the finishing prefills, then the decodes), sampled where the logits
+        are, with one transfer of the ids to the host.
+
+        NOTE: sampling here, not on the loop's thread: torch keeps an OpenMP team per
+        calling thread, and two teams on 2 cores made libgomp stop spinning between
+        parallel regions (it throttles once its threads outnumber the cores): a tiny
+        decode step went from 0.9 to 1.9 ms. Sampling's own failure is returned, not
+        raised: the forward's blocks are fine, only the sampled rows fail.
+        """
+        out = self.engine.step([r for _, r in batch.prefills], [r for _, r in batch.decodes])
+        rows = [batch.prefills[i][0] for i in finishing] + [seq for seq, _ in batch.decodes]
+        if not rows:
+            return []
+        try:
+            logits = out.decode_logits
+            if finishing:
+                index = torch.tensor(finishing, device=out.prefill_logits.device)
+                logits = torch.cat([out.prefill_logits.index_select(0, index), logits])
+            tokens = sample_each(logits, [s.params for s in rows], [s.generator for s in rows])
+        except Exception as exc:
+            return exc
+        return tokens
+
+    def _advance(self, batch: StepBatch, tokens: list[int | Exception] | Exception) -> None:
+        """Commit finished prefills, append the sampled tokens. Whatever raises for one
+        sequence (its commit, its sampling parameters, decoding its text) fails that one
+        alone; a sampling failure of the whole batch fails its sampled rows."""
+        sampled: list[SequenceState] = []
         size = len(batch.prefills) + len(batch.decodes)
-        for i, (seq, req) in enumerate(batch.prefills):
+        for seq, req in batch.prefills:
             seq.max_batch = max(seq.max_batch, size)
             seq.num_computed = len(req.token_ids)
             if seq.num_computed == seq.prefill_len:
+                sampled.append(seq)
                 try:
                     self._commit_prefill(seq)
                 except Exception as exc:
                     self._fail(seq, exc)
                     continue
-                sampled.append((seq, out.prefill_logits[i]))
-        for j, (seq, _) in enumerate(batch.decodes):
-            sampled.append((seq, out.decode_logits[j]))
-        if not sampled:
-            return
-        logits = torch.stack([row for _, row in sampled])
-        params = [s.params for s, _ in sampled]
-        tokens = sample_each(logits, params, [s.generator for s, _ in sampled])
-        for (seq, _), token in zip(sampled, tokens, strict=True):
+        sampled += [seq for seq, _ in batch.decodes]
+        if isinstance(tokens, Exception):
+            tokens = [tokens] * len(sampled)
+        for seq, token in zip(sampled, tokens, strict=True):
+            if seq.status is SeqStatus.FINISHED:
+                continue  # its commit failed above
             try:
                 if isinstance(token, Exception):
                     raise token

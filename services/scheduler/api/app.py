@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from ..draining import CountInFlight, Drainer, InFlight
 from ..metrics import ReplicaMetrics
 from ..random_model import RANDOM_CONTEXT, load_random_tokenizer, random_context
 from ..requestlog import LOGGER, RequestLog
-from ..scheduler import Scheduler
+from ..scheduler import Scheduler, engine_executor
 from ..sequence import SequenceState
 from ..settings import ReplicaSettings
 from .errors import install_error_handlers
@@ -135,14 +136,26 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         own = engine is None
         eng: Engine | None = None
+        thread: ThreadPoolExecutor | None = None  # the torch engine's build-and-step thread
         scheduler: ReplicaCore
         try:
             if settings.engine == "vllm":
                 scheduler = await _open_vllm(settings, sink)
             else:
-                eng = await asyncio.to_thread(build_engine, settings) if own else engine
-                assert eng is not None
-                scheduler = Scheduler(eng, settings, sink=sink)
+                # NOTE: built on the thread that will step it (see engine_executor).
+                thread = engine_executor(settings.name)
+                loop = asyncio.get_running_loop()
+                try:
+                    eng = (
+                        await loop.run_in_executor(thread, build_engine, settings)
+                        if own
+                        else engine
+                    )
+                    assert eng is not None
+                    scheduler = Scheduler(eng, settings, sink=sink, engine_thread=thread)
+                except BaseException:
+                    thread.shutdown(wait=False)
+                    raise
         except (ValueError, RuntimeError) as exc:
             # NOTE: settings this machine cannot run (a KV budget too small for the
             # model, a block or head size vLLM refuses, vLLM failing to start): one
@@ -207,6 +220,8 @@ def create_app(
             yield
         finally:
             await scheduler.stop()
+            if thread is not None:
+                thread.shutdown(wait=False)
             if bus is not None:
                 await bus.stop()
             if own and eng is not None:
