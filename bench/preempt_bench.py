@@ -21,13 +21,14 @@ import math
 import random
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from cachepoint.engine import Engine, EngineConfig, ModelConfig
 from cachepoint.scheduler.metrics import ReplicaMetrics
 from cachepoint.scheduler.random_model import RANDOM_CONTEXT
-from cachepoint.scheduler.scheduler import Scheduler
+from cachepoint.scheduler.scheduler import Scheduler, engine_executor
 from cachepoint.scheduler.schemas import GenerateRequest
 from cachepoint.scheduler.sequence import SequenceState
 from cachepoint.scheduler.settings import ReplicaSettings
@@ -77,8 +78,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build(args: argparse.Namespace) -> tuple[Scheduler, ReplicaMetrics, int]:
-    """The engine, and a scheduler on a pool of the asked size; returns its blocks too."""
+def build(
+    args: argparse.Namespace, thread: ThreadPoolExecutor
+) -> tuple[Scheduler, ReplicaMetrics, int]:
+    """The engine, built on ``thread`` (as the replica builds it: see engine_executor),
+    and a scheduler stepping it there on a pool of the asked size; returns its blocks."""
     seq_len = args.prompt + args.max_tokens
     model = ModelConfig.tiny(max_position_embeddings=max(RANDOM_CONTEXT, seq_len))
     total = args.requests * seq_len
@@ -96,7 +100,7 @@ def build(args: argparse.Namespace) -> tuple[Scheduler, ReplicaMetrics, int]:
         max_model_len=seq_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
-    engine = Engine(model, config, seed=args.seed)
+    engine = thread.submit(Engine, model, config, seed=args.seed).result()
     settings = ReplicaSettings(
         name=NAME,
         max_num_seqs=max(32, args.requests),
@@ -105,12 +109,15 @@ def build(args: argparse.Namespace) -> tuple[Scheduler, ReplicaMetrics, int]:
     )
     # NOTE: on a GPU the engine sizes its pool by free memory; the scheduler's cap makes
     # the pool the asked size there too.
-    sched = Scheduler(engine, settings, num_blocks=min(blocks, engine.num_blocks))
+    sched = Scheduler(
+        engine, settings, num_blocks=min(blocks, engine.num_blocks), engine_thread=thread
+    )
     return sched, ReplicaMetrics(sched), sched.pool.num_blocks
 
 
 async def run(args: argparse.Namespace) -> int:
-    sched, metrics, blocks = build(args)
+    thread = engine_executor(NAME)
+    sched, metrics, blocks = build(args, thread)
     rng = random.Random(args.seed)
     vocab = sched.engine.vocab_size
     print(
@@ -150,6 +157,7 @@ async def run(args: argparse.Namespace) -> int:
         wall = time.perf_counter() - t0
     finally:
         await sched.stop()
+        thread.shutdown()
     completed = sum(
         1 for q in seqs if q.stop_reason is not None and len(q.output) == args.max_tokens
     )
