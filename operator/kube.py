@@ -164,12 +164,9 @@ def get_service(namespace: str, name: str) -> dict[str, Any] | None:
     return None if response is None else _json(response)
 
 
-def create_service(service: dict[str, Any]) -> bool:
-    return _create("Service", _core().create_namespaced_service, service)
-
-
-def patch_service(namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
-    _core().patch_namespaced_service(
+def _json_patch(method: Any, namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
+    """A JSON patch (RFC 6902) through a namespaced ``patch_*`` method of the client."""
+    method(
         name,
         namespace,
         ops,
@@ -177,6 +174,14 @@ def patch_service(namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
         _preload_content=False,
         _request_timeout=TIMEOUT,
     )
+
+
+def create_service(service: dict[str, Any]) -> bool:
+    return _create("Service", _core().create_namespaced_service, service)
+
+
+def patch_service(namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
+    _json_patch(_core().patch_namespaced_service, namespace, name, ops)
 
 
 def delete_service(namespace: str, name: str) -> bool:
@@ -195,14 +200,7 @@ def create_secret(secret: dict[str, Any]) -> bool:
 def patch_secret(namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
     """JSON patch; start `ops` with a `test` of resourceVersion to make it conditional
     (the API then answers 422 if someone wrote the Secret in between)."""
-    _core().patch_namespaced_secret(
-        name,
-        namespace,
-        ops,
-        _content_type=JSON_PATCH,
-        _preload_content=False,
-        _request_timeout=TIMEOUT,
-    )
+    _json_patch(_core().patch_namespaced_secret, namespace, name, ops)
 
 
 def delete_secret(namespace: str, name: str) -> bool:
@@ -223,14 +221,7 @@ def create_pdb(pdb: dict[str, Any]) -> bool:
 
 
 def patch_pdb(namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
-    _policy().patch_namespaced_pod_disruption_budget(
-        name,
-        namespace,
-        ops,
-        _content_type=JSON_PATCH,
-        _preload_content=False,
-        _request_timeout=TIMEOUT,
-    )
+    _json_patch(_policy().patch_namespaced_pod_disruption_budget, namespace, name, ops)
 
 
 def delete_pdb(namespace: str, name: str) -> bool:
@@ -254,11 +245,4 @@ def create_network_policy(policy: dict[str, Any]) -> bool:
 
 
 def patch_network_policy(namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
-    _networking().patch_namespaced_network_policy(
-        name,
-        namespace,
-        ops,
-        _content_type=JSON_PATCH,
-        _preload_content=False,
-        _request_timeout=TIMEOUT,
-    )
+    _json_patch(_networking().patch_namespaced_network_policy, namespace, name, ops)
