@@ -109,6 +109,15 @@ def _draining_server(config: Any, state: Any, cut_after_s: float) -> Any:
             self.loop = asyncio.get_running_loop()
             await super().serve(sockets)
 
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            listening = getattr(state, "listening", None)
+            if self.started and isinstance(listening, asyncio.Event):
+                # NOTE: uvicorn binds its sockets only after the app's lifespan startup;
+                # an app that announced itself from there (the replica's heartbeat) would
+                # send callers to a port that still refuses connections.
+                listening.set()
+
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             drain = getattr(state, "drain", None)
             first = not (self.draining or self.should_exit)
@@ -171,6 +180,9 @@ def serve(
     (the replica refuses new work then, with a clear 503, and lets what runs finish),
     then shuts down and this returns 0. SIGINT, and a second SIGTERM, stop at once.
 
+    ``state.listening`` is an `asyncio.Event` set once the server accepts connections
+    (after the app's lifespan startup): what announces the app to others waits on it.
+
     The app may stop the server itself: ``serve`` puts ``request_exit(code)`` in its
     ``state``; the server then shuts down gracefully and this returns ``code``. If
     that takes over ``exit_grace_s`` the process ends with ``os._exit(code)``: a broken
@@ -198,6 +210,7 @@ def serve(
 
     if state is not None:
         state.request_exit = request_exit
+        state.listening = asyncio.Event()
     hide = _HideStartupTraceback()
     logging.getLogger("uvicorn.error").addFilter(hide)
     # NOTE: what is alive now (the model, the schemas, the routes) lives as long as the

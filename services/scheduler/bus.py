@@ -38,11 +38,15 @@ class NatsBus:
         advertise_url: str,
         *,
         heartbeat_interval_s: float = 1.0,
+        listening: asyncio.Event | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.nats_url = nats_url
         self.advertise_url = advertise_url
         self.interval = heartbeat_interval_s
+        # Set once the HTTP server accepts connections (None: it already does, or there
+        # is none, as under an in-process test client).
+        self.listening = listening
         self.seq = 0  # last batch seq of this epoch (published or lost)
         self.drop_next = 0  # test hook: lose the next N batches on purpose
         self.published = 0  # batches handed to NATS
@@ -194,10 +198,12 @@ class NatsBus:
 
     @property
     def serving(self) -> bool:
-        """Heartbeat only while requests can be served: not with a dead loop (issue 12),
-        nor while the engine restarts (the gateway would route into 503s)."""
+        """Heartbeat only while requests can be served: not before the server listens
+        (the gateway would route into refused connections), not with a dead loop (issue
+        12), nor while the engine restarts (the gateway would route into 503s)."""
         s = self.scheduler
-        return s.alive and s.unavailable is None
+        listening = self.listening is None or self.listening.is_set()
+        return listening and s.alive and s.unavailable is None
 
     async def announce(self) -> None:
         """Publish a heartbeat now (a drain began: the gateway must not wait an interval)."""
@@ -208,6 +214,11 @@ class NatsBus:
         await nc.flush(timeout=2)
 
     async def _heartbeats(self) -> None:
+        if self.listening is not None:
+            # NOTE: the first heartbeat puts this replica in routing; sent from the app's
+            # startup, it beat uvicorn's bind, and a rolling update's first request there
+            # was refused (the other member was draining: the client got a 529).
+            await self.listening.wait()
         while True:
             nc = self.nc
             # NOTE: a replica whose scheduler loop died must drop out of routing: no

@@ -180,6 +180,7 @@ def create_app(
                 settings.nats_url,
                 url,
                 heartbeat_interval_s=settings.heartbeat_interval_s,
+                listening=getattr(app.state, "listening", None),
             )
             scheduler.sink = bus
             bus.tracer = tel.tracer
