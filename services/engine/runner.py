@@ -19,6 +19,7 @@ from .attention_plan import (
     AttentionMetadata,
     DecodeSpan,
     PrefillSpan,
+    bridge_limit,
     plan_decode,
     plan_prefill,
     plan_varlen,
@@ -98,12 +99,15 @@ class ModelRunner:
             self.paged_kernel, why = cuda_paged_attention_available(config.block_size, self.dtype)
             if not self.paged_kernel:
                 log.warning("CUDA paged attention kernel not used: %s", why)
+        self._bridge = 0  # foreign blocks a decode view may mask (set with the pool)
         reserve = 0
         if self.device.type == "cuda":
             reserve = self._profile_forward_bytes()
             if config.tier_slots("host", 1) or config.tier_slots("disk", 1):
                 reserve += STAGING_BYTES  # what a tier copy stages on the device
         self.pool = KVPool(self._pool_shape(free_before, reserve), self.device)
+        shape = self.pool.shape
+        self._bridge = bridge_limit(shape.bytes_per_block // shape.num_layers)
         self.tables = BlockTables(self.pool.num_blocks)  # persistent, keyed by seq_id
         self.tiers = self._build_tiers()
 
@@ -268,7 +272,7 @@ class ModelRunner:
             ]
             at = [d.position for d in decodes]
             kernel_rows.extend((t, (1, p + 1)) for t, p in zip(tables, at, strict=True))
-            decode, decode_slots = plan_decode(tables, at, row, bs, dev)
+            decode, decode_slots = plan_decode(tables, at, row, bs, dev, self._bridge)
             ids.extend(d.token_id for d in decodes)
             positions.append(torch.tensor(at, dtype=torch.long))
             slots.append(torch.tensor(decode_slots, dtype=torch.long))
@@ -310,8 +314,11 @@ class ModelRunner:
             last = [s.end - 1 for s in meta.prefills]
             if meta.decode is not None:
                 last.extend(range(meta.decode.start, hidden.shape[0]))
-            rows = torch.tensor(last, dtype=torch.long, device=self.device)
-            logits = self.model.logits(hidden.index_select(0, rows))
+            if len(last) == hidden.shape[0]:  # every row samples (a decode-only step)
+                logits = self.model.logits(hidden)
+            else:
+                rows = torch.tensor(last, dtype=torch.long, device=self.device)
+                logits = self.model.logits(hidden.index_select(0, rows))
             n_pre = len(meta.prefills)
             every: list[torch.Tensor] | None = None
             if all_logits:

@@ -209,6 +209,112 @@ def test_fragmented_decode_lane_is_gathered_by_slice(monkeypatch: pytest.MonkeyP
         assert (out[i : i + 1].double() - expected).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("path", ["cpu_flash", "math"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decode_lane_runs_bridge_small_gaps_with_the_gap_masked(
+    monkeypatch: pytest.MonkeyPatch, path: str, batch: int
+) -> None:
+    """A lane's cached run and the run allocated after it, a few foreign blocks apart,
+    are one masked view (one kernel call), and the foreign blocks, filled with large
+    values, weigh nothing. A gap too wide to bridge stays two segments."""
+    if path == "math":
+        monkeypatch.setattr(attention, "_CPU_FLASH", None)
+    # A block's K and V in one layer are 4 x 2 x 2 x 8 x 4 = 512 bytes: 10 may be hidden.
+    monkeypatch.setattr(attention_plan, "BRIDGE_BYTES", 10 * 512)
+    config = ModelConfig.tiny(num_heads=4, num_kv_heads=2, hidden_size=32)
+    runner = ModelRunner(
+        config, EngineConfig(block_size=BLOCK, device="cpu", kv_cache_bytes=8 << 20)
+    )
+    pool, layer = runner.pool, 0
+    # Lane i: 40 blocks from 200 * i, a gap of 3 foreign blocks, then 10 more; the last
+    # lane's gap (30 blocks) is too wide to bridge.
+    tables = []
+    for i in range(batch):
+        gap = 30 if i == batch - 1 and batch > 1 else 3
+        base = 200 * i
+        tables.append(list(range(base, base + 40)) + list(range(base + 40 + gap, base + 50 + gap)))
+    positions = [len(t) * BLOCK - 2 - i for i, t in enumerate(tables)]
+    foreign = torch.full((BLOCK * 30, 2, 8), 50.0)
+    ks = [torch.randn(p + 1, 2, 8) for p in positions]
+    vs = [torch.randn(p + 1, 2, 8) for p in positions]
+    for p, table, k, v in zip(positions, tables, ks, vs, strict=True):
+        gap_slots = torch.arange(table[39] + 1, table[40]) * BLOCK
+        gap_slots = (gap_slots[:, None] + torch.arange(BLOCK)).flatten()
+        pool.write(layer, gap_slots, foreign[: len(gap_slots)], foreign[: len(gap_slots)])
+        slots = torch.tensor([table[i // BLOCK] * BLOCK + i % BLOCK for i in range(p)])
+        pool.write(layer, slots, k[:p], v[:p])
+    decodes = [
+        DecodeRequest(1, p, t, seq_id=i)
+        for i, (p, t) in enumerate(zip(positions, tables, strict=True))
+    ]
+    _ids, _pos, meta = runner._metadata([], decodes)
+    assert meta.decode is not None and not meta.decode.shared
+    per_lane: dict[int, list[attention_plan.Segment]] = {}
+    for lane, seg in meta.decode.lane_segments:
+        per_lane.setdefault(lane, []).append(seg)
+    for lane in range(batch):
+        segs = per_lane[lane]
+        if lane == batch - 1 and batch > 1:
+            assert len(segs) == 2 and all(s.bias is None for s in segs)  # not bridged
+        else:
+            (seg,) = segs  # bridged: one view over both runs and the gap
+            assert seg.bias is not None and seg.tokens == positions[lane] + 1 + 3 * BLOCK
+            hidden = torch.isinf(seg.bias.flatten()).nonzero().flatten()
+            assert hidden.tolist() == list(range(40 * BLOCK, 43 * BLOCK))
+    q = torch.randn(batch, 4, 8)
+    k_new = torch.stack([k[-1] for k in ks])
+    v_new = torch.stack([v[-1] for v in vs])
+    with torch.inference_mode():
+        out = paged_attention(layer, q, k_new, v_new, pool, meta)
+    for i in range(batch):
+        expected = reference(q[i : i + 1], ks[i], vs[i])
+        assert (out[i : i + 1].double() - expected).abs().max().item() <= 1e-5
+
+
+def test_bridge_joins_ascending_runs_only_across_small_gaps() -> None:
+    """Runs join across a gap only when the hidden blocks stay within the limit and
+    fewer than the visible ones; a run that goes back in the pool never joins."""
+    run = attention_plan.Run
+    joined, gaps = attention_plan._bridge([run(0, 10, 20), run(20, 33, 5), run(25, 40, 8)], 8)
+    assert [(r.block, r.count) for r in joined] == [(10, 38)]
+    assert gaps == [[(20, 3), (28, 2)]]
+    # Over the limit (3 + 2 > 4): the second gap stays a boundary.
+    joined, gaps = attention_plan._bridge([run(0, 10, 20), run(20, 33, 5), run(25, 40, 8)], 4)
+    assert [(r.block, r.count) for r in joined] == [(10, 28), (40, 8)]
+    # Hiding as many blocks as it shows: not joined. Descending: not joined.
+    joined, _ = attention_plan._bridge([run(0, 10, 4), run(4, 22, 4)], 100)
+    assert len(joined) == 2
+    joined, _ = attention_plan._bridge([run(0, 50, 20), run(20, 10, 20)], 100)
+    assert len(joined) == 2
+    # Two short runs far apart (the joined view under MIN_RUN blocks) stay gathered.
+    joined, _ = attention_plan._bridge([run(0, 10, 2), run(2, 13, 2)], 100)
+    assert len(joined) == 2
+
+
+def test_merge_of_partials_equals_attention_over_the_union() -> None:
+    """Partials over disjoint key sets, some rows with no keys in a part (log-sum-exp
+    -inf, output 0), merge to the attention over all keys, whatever the part order."""
+    torch.manual_seed(3)
+    q = torch.randn(1, 2, 5, 8)
+    k = torch.randn(1, 2, 30, 8)
+    v = torch.randn(1, 2, 30, 8)
+    full = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(8), -1) @ v
+    cuts = [(0, 7), (7, 20), (20, 30)]
+    parts = [attention._math_partial(q, k[:, :, a:b], v[:, :, a:b], False, None) for a, b in cuts]
+    # A part in which rows 1 and 3 see no key at all.
+    bias = torch.zeros(1, 1, 5, 10)
+    bias[:, :, [1, 3]] = float("-inf")
+    empty_rows = attention._math_partial(q, k[:, :, 20:], v[:, :, 20:], False, bias)
+    assert torch.isinf(empty_rows[1][0, :, [1, 3]]).all()
+    for order in ([0, 1, 2], [2, 0, 1], [1, 2, 0]):
+        got = attention.merge([parts[i] for i in order])
+        assert (got - full).abs().max().item() <= 1e-5
+    # Rows 1 and 3 take everything from the first two parts.
+    first_two = torch.softmax(q @ k[:, :, :20].transpose(-1, -2) / math.sqrt(8), -1) @ v[:, :, :20]
+    got = attention.merge([empty_rows, parts[0], parts[1]])
+    assert (got[:, :, [1, 3]] - first_two[:, :, [1, 3]]).abs().max().item() <= 1e-5
+
+
 def test_varlen_metadata_drives_the_reference_to_the_same_output() -> None:
     """The metadata the CUDA kernel would get (built from the persistent tables), fed
     to the float64 paged reference, gives what the CPU path computes for the same step:
