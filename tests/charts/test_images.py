@@ -243,6 +243,44 @@ def test_examples_use_the_default_registry_and_app_version(example: Path) -> Non
     assert spec["image"] == f"{default_registry()}/cachepoint-{flavour}:{version}"
 
 
+# NOTE: labels set by NVIDIA's GPU Feature Discovery, which many clusters do not run:
+# a selector on them leaves the pods Pending there.
+GFD_LABELS = ("nvidia.com/gpu.", "feature.node.kubernetes.io/")
+
+
+def _label_keys(node: Any) -> list[str]:
+    """Every nodeSelector key and node-affinity match key anywhere under ``node``."""
+    keys: list[str] = []
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "nodeSelector" and isinstance(value, dict):
+                keys += list(value)
+            elif key == "matchExpressions" and isinstance(value, list):
+                keys += [e.get("key", "") for e in value if isinstance(e, dict)]
+            keys += _label_keys(value)
+    elif isinstance(node, list):
+        for value in node:
+            keys += _label_keys(value)
+    return keys
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_examples_select_nodes_without_gpu_feature_discovery_labels(example: Path) -> None:
+    keys = _label_keys(yaml.safe_load(example.read_text()))
+    assert not [k for k in keys if k.startswith(GFD_LABELS)], keys
+
+
+def test_chart_defaults_select_nodes_without_gpu_feature_discovery_labels(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    docs = list(yaml.safe_load_all((CHART / "values.yaml").read_text()))
+    keys = _label_keys(docs) + _label_keys(list(rendered.values()))
+    assert not [k for k in keys if k.startswith(GFD_LABELS)], keys
+    assert _label_keys({"nodeSelector": {"nvidia.com/gpu.product": "H100"}}) == [
+        "nvidia.com/gpu.product"
+    ]
+
+
 def test_docs_install_from_the_default_registry() -> None:
     section = deploy_doc_section("## 2.")
     version = chart_meta()["appVersion"]

@@ -13,6 +13,7 @@ import pytest
 
 from .apiserver import cel, chart
 from .apiserver.schema import CustomResource, apply_defaults, prune, validate
+from .apiserver.status import ApiError
 from .emulator import ApiServer
 
 SCHEMA: dict[str, Any] = {
@@ -238,3 +239,22 @@ def test_the_charts_crds_load_and_their_rules_compile() -> None:
     stored = cache_replica.admit(obj, None)
     assert "surprise" not in stored["spec"]
     assert stored["spec"]["replicas"] == 1  # the CRD's default
+
+
+def test_the_charts_crd_refuses_max_waiting_zero() -> None:
+    """``batching.maxWaiting: 0`` would refuse every request; the API server says so
+    at apply time (the replica's settings refuse it too, for a pod started by hand)."""
+    crd = next(s for crd in chart.crds() for s in CustomResource.from_crd(crd))
+    assert crd.kind == "CacheReplica"
+    obj = {
+        "apiVersion": "cachepoint.dev/v1alpha1",
+        "kind": "CacheReplica",
+        "metadata": {"name": "llama", "namespace": "serving"},
+        "spec": {"image": "i", "model": {"name": "m"}, "batching": {"maxWaiting": 0}},
+    }
+    with pytest.raises(ApiError) as err:
+        crd.admit(obj, None)
+    assert err.value.code == 422
+    assert "spec.batching.maxWaiting" in err.value.message
+    obj["spec"]["batching"]["maxWaiting"] = 1
+    assert crd.admit(obj, None)["spec"]["batching"]["maxWaiting"] == 1

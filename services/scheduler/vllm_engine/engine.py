@@ -74,6 +74,41 @@ def event_endpoints(name: str) -> tuple[str, str]:
     return f"ipc://{base}.kv", f"ipc://{base}.replay"
 
 
+def engine_kwargs(settings: ReplicaSettings, folder: Path, device: str) -> dict[str, Any]:
+    """``AsyncEngineArgs``' keywords but the event config: plain values, so what the
+    isolation and billing contract depends on is tested without vLLM installed."""
+    eager = settings.vllm_enforce_eager
+    return {
+        "model": str(folder),
+        "served_model_name": settings.model_name,
+        # NOTE: the gateway renders and tokenizes; the shim decodes with the same
+        # tokenizer, so vLLM's own tokenizer (and its start-up cost) is not needed.
+        "skip_tokenizer_init": True,
+        "dtype": "float32" if settings.dtype == "auto" and device == "cpu" else settings.dtype,
+        "block_size": settings.block_size,
+        # NOTE: always on, whatever vLLM's default becomes: the engine hit is billed.
+        "enable_prefix_caching": True,
+        # NOTE: collision resistant: the cache_salt keeps tenants apart only as long
+        # as nobody can craft a prefix with another's hash (xxhash is refused).
+        "prefix_caching_hash_algo": "sha256",
+        # NOTE: -1 is vLLM's auto-fit: the model's context if the KV budget holds
+        # one sequence that long, else the longest that fits (the torch engine
+        # sizes the random model's context to its budget the same way).
+        "max_model_len": settings.max_model_len or -1,
+        "max_num_seqs": settings.max_num_seqs,
+        # NOTE: the request's priority means what it means on the torch engine:
+        # lower runs first, FIFO among equals (vLLM's "fcfs" would ignore it).
+        "scheduling_policy": "priority",
+        "max_num_batched_tokens": settings.max_num_batched_tokens,
+        "tensor_parallel_size": settings.tensor_parallel_size,
+        "gpu_memory_utilization": settings.gpu_memory_utilization,
+        "kv_cache_memory_bytes": settings.kv_cache_bytes if device == "cpu" else None,
+        "enforce_eager": (device == "cpu") if eager is None else eager,
+        "seed": settings.seed,
+        "disable_log_stats": True,
+    }
+
+
 class VllmEngine:
     """One AsyncLLM. Built in a worker thread (start-up takes seconds to minutes)."""
 
@@ -88,40 +123,14 @@ class VllmEngine:
         device = resolve_device(settings)
         hf = _read_config(checkpoint.folder)
         check_geometry(settings, device, _head_dim(hf))
-        eager = settings.vllm_enforce_eager
         args = AsyncEngineArgs(
-            model=str(checkpoint.folder),
-            served_model_name=settings.model_name,
-            # NOTE: the gateway renders and tokenizes; the shim decodes with the same
-            # tokenizer, so vLLM's own tokenizer (and its start-up cost) is not needed.
-            skip_tokenizer_init=True,
-            dtype="float32" if settings.dtype == "auto" and device == "cpu" else settings.dtype,
-            block_size=settings.block_size,
-            enable_prefix_caching=True,
-            # NOTE: collision resistant: the cache_salt keeps tenants apart only as long
-            # as nobody can craft a prefix with another's hash (xxhash is refused).
-            prefix_caching_hash_algo="sha256",
-            # NOTE: -1 is vLLM's auto-fit: the model's context if the KV budget holds
-            # one sequence that long, else the longest that fits (the torch engine
-            # sizes the random model's context to its budget the same way).
-            max_model_len=settings.max_model_len or -1,
-            max_num_seqs=settings.max_num_seqs,
-            # NOTE: the request's priority means what it means on the torch engine:
-            # lower runs first, FIFO among equals (vLLM's "fcfs" would ignore it).
-            scheduling_policy="priority",
-            max_num_batched_tokens=settings.max_num_batched_tokens,
-            tensor_parallel_size=settings.tensor_parallel_size,
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-            kv_cache_memory_bytes=settings.kv_cache_bytes if device == "cpu" else None,
-            enforce_eager=(device == "cpu") if eager is None else eager,
-            seed=settings.seed,
+            **engine_kwargs(settings, checkpoint.folder, device),
             kv_events_config=KVEventsConfig(
                 enable_kv_cache_events=True,
                 publisher="zmq",
                 endpoint=endpoints[0],
                 replay_endpoint=endpoints[1],
             ),
-            disable_log_stats=True,
         )
         self.llm: Any = AsyncLLM.from_engine_args(args)
         config = self.llm.vllm_config

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from cachepoint.scheduler.settings import ReplicaSettings
-from cachepoint.scheduler.vllm_engine.engine import VllmConfigError, check_geometry
+from cachepoint.scheduler.vllm_engine.engine import VllmConfigError, check_geometry, engine_kwargs
 
 
 @pytest.mark.parametrize(
@@ -60,3 +61,25 @@ def test_help_explains_the_engine_choice() -> None:
     assert result.returncode == 0
     assert "--engine {torch,vllm}" in result.stdout
     assert "--vllm-export-dir" in result.stdout
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_engine_args_keep_prefix_caching_on_with_a_collision_resistant_hash(
+    tmp_path: Path, device: str
+) -> None:
+    """What isolation and billing stand on is not left to vLLM's defaults: prefix
+    caching always on (the engine hit is what gets billed), and sha256 block hashes (a
+    tenant's cache_salt only separates tenants while no one can forge a hash)."""
+    settings = ReplicaSettings(engine="vllm", block_size=32, seed=7, max_num_seqs=5)
+    kwargs = engine_kwargs(settings, tmp_path, device)
+    assert kwargs["enable_prefix_caching"] is True
+    assert kwargs["prefix_caching_hash_algo"] == "sha256"
+    assert kwargs["scheduling_policy"] == "priority"  # the request's priority holds
+    assert kwargs["skip_tokenizer_init"] is True
+    assert (kwargs["model"], kwargs["block_size"], kwargs["seed"]) == (str(tmp_path), 32, 7)
+    assert kwargs["max_num_seqs"] == 5
+    # The KV budget is ours on the CPU; on a GPU vLLM profiles what is left.
+    assert (kwargs["kv_cache_memory_bytes"] is None) == (device == "cuda")
+    assert kwargs["enforce_eager"] is (device == "cpu")
+    if device == "cpu":
+        assert kwargs["dtype"] == "float32"
