@@ -85,6 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
     p.add_argument(
+        "--decode-steps",
+        type=int,
+        metavar="N",
+        help="decode steps per engine call while the batch only decodes and nothing waits "
+        "(default 4; 1 = one step per call): the hand-off to the engine thread is paid once "
+        "per N tokens; a new request waits at most N steps",
+    )
+    p.add_argument(
         "--kv-budget",
         dest="kv_cache_bytes",
         type=_size,

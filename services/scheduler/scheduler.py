@@ -68,6 +68,10 @@ from .stopping import TurnEnd, append_token
 
 log = logging.getLogger(__name__)
 
+Sampled = list[int | Exception] | Exception
+"""A step's sampled tokens, one per sampled row (or that row's error), or the error
+that failed the whole step's sampling."""
+
 
 class CountingSink:
     """Default sink: counts events and drops them (no event plane configured)."""
@@ -458,23 +462,36 @@ class Scheduler:
                 await self._wake.wait()
                 continue
             t0 = time.perf_counter()
+            k = self._decode_steps(batch)
+            failed: Exception | None = None  # a later step of a run that failed
             try:
-                tokens = await asyncio.get_running_loop().run_in_executor(
-                    self._engine_thread, self._forward, batch, self._to_sample(batch)
-                )
+                if k > 1:
+                    steps, failed = await asyncio.get_running_loop().run_in_executor(
+                        self._engine_thread, self._forward_decodes, batch, k
+                    )
+                else:
+                    tokens = await asyncio.get_running_loop().run_in_executor(
+                        self._engine_thread, self._forward, batch, self._to_sample(batch)
+                    )
+                    steps = [(batch, tokens)]
             except Exception as exc:  # the forward failed: every sequence in it fails
                 log.warning("engine step failed: %s", exc)
                 for seq in batch.seqs:
                     self._finish(seq, error=EngineFailedError(f"forward pass failed: {exc}"))
             else:
-                self.steps += 1
+                self.steps += len(steps)
                 computed = sum(len(r.token_ids) - r.num_cached_tokens for _, r in batch.prefills)
                 self.rates.prefill(computed, time.perf_counter() - t0)
-                try:
-                    self._advance(batch, tokens)
-                except Exception as exc:  # not one sequence's: the step's output itself
+                for step_batch, tokens in steps:
+                    try:
+                        self._advance(step_batch, tokens)
+                    except Exception as exc:  # not one sequence's: the step's output itself
+                        for seq in step_batch.seqs:
+                            self._fail(seq, exc)
+                if failed is not None:  # the steps before it stand, as they would have
+                    log.warning("engine step failed: %s", failed)
                     for seq in batch.seqs:
-                        self._fail(seq, exc)
+                        self._finish(seq, error=EngineFailedError(f"forward pass failed: {failed}"))
             self.flush_events()
 
     def _fail(self, seq: SequenceState, exc: Exception) -> None:
@@ -807,7 +824,7 @@ class Scheduler:
             if len(req.token_ids) == seq.prefill_len
         ]
 
-    def _forward(self, batch: StepBatch, finishing: list[int]) -> list[int | Exception] | Exception:
+    def _forward(self, batch: StepBatch, finishing: list[int]) -> Sampled:
         """One step on the engine thread: the forward, then one token for each row that
         needs one (the finishing prefills, then the decodes), sampled where the logits
         are, with one transfer of the ids to the host.
@@ -832,7 +849,63 @@ class Scheduler:
             return exc
         return tokens
 
-    def _advance(self, batch: StepBatch, tokens: list[int | Exception] | Exception) -> None:
+    def _decode_steps(self, batch: StepBatch) -> int:
+        """How many decode steps to run back to back for ``batch`` (1: just this one).
+
+        NOTE: vLLM's multi-step scheduling: only a decode-only batch with nothing
+        waiting, no cancellation pending and no fault hook, and only as many steps as
+        every sequence may still take (its ``max_tokens``) with the slots for them
+        already in its blocks. A pool that cannot give them without preempting
+        anyone means one step, as before.
+        """
+        k = self.settings.decode_steps
+        if k <= 1 or batch.prefills or self.waiting or self.fault_hook is not None:
+            return 1
+        for seq, _ in batch.decodes:
+            if seq.cancelled or seq.context_full:
+                return 1
+            k = min(k, seq.params.max_tokens - len(seq.output))
+        if k <= 1:
+            return 1
+        for seq, _ in batch.decodes:
+            assert seq.alloc is not None
+            need = seq.prompt_len + len(seq.output) + k - 1  # slots the k steps write
+            # One slot ahead as `_grow` keeps, unless the last of them samples the last.
+            want = min(need + 1, seq.prompt_len + seq.params.max_tokens - 1)
+            try:
+                seq.alloc.grow(max(need, want))
+            except PoolExhaustedError:
+                return 1
+        return k
+
+    def _forward_decodes(
+        self, batch: StepBatch, k: int
+    ) -> tuple[list[tuple[StepBatch, Sampled]], Exception | None]:
+        """``k`` decode steps on the engine thread, each fed the tokens the last one
+        sampled; stops early at a failed row. Returns each step's batch and tokens, and
+        what failed the forward of a step after the first (the first one's raises)."""
+        steps: list[tuple[StepBatch, Sampled]] = []
+        for _ in range(k):
+            try:
+                tokens = self._forward(batch, [])
+            except Exception as exc:
+                if not steps:
+                    raise
+                return steps, exc
+            steps.append((batch, tokens))
+            if isinstance(tokens, Exception) or len(steps) == k:
+                break
+            if any(isinstance(t, Exception) for t in tokens):
+                break
+            batch = StepBatch(
+                decodes=[
+                    (seq, DecodeRequest(t, r.position + 1, r.block_table, seq_id=r.seq_id))
+                    for (seq, r), t in zip(batch.decodes, tokens, strict=True)
+                ]
+            )
+        return steps, None
+
+    def _advance(self, batch: StepBatch, tokens: Sampled) -> None:
         """Commit finished prefills, append the sampled tokens. Whatever raises for one
         sequence (its commit, its sampling parameters, decoding its text) fails that one
         alone; a sampling failure of the whole batch fails its sampled rows."""

@@ -136,6 +136,16 @@ class ReplicaSettings(BaseSettings):
     max_model_len: int | None = Field(None, ge=16, description="longest sequence; None = model's")
     max_num_seqs: int = Field(32, ge=1, description="sequences running at once")
     max_num_batched_tokens: int = Field(2048, ge=16, description="tokens in one forward")
+    decode_steps: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="decode steps run back to back on the engine thread while the batch "
+        "is decode-only and nothing waits (torch engine): the hop to the event loop and "
+        "the loop's own work are paid once per this many tokens; a stop string or end of "
+        "turn found meanwhile discards that sequence's extra tokens, a new request waits "
+        "at most this many steps",
+    )
     decode_reserve_blocks: int = Field(
         1,
         ge=0,

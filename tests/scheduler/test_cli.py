@@ -17,7 +17,8 @@ CMD = [sys.executable, "-m", "cachepoint.scheduler.cli"]
 
 def test_cli_help_explains_flags():
     out = subprocess.run([*CMD, "--help"], capture_output=True, text=True, check=True).stdout
-    for flag in ("--name", "--port", "--model-dir", "--tp", "--kv-budget", "--org-retained-share"):
+    flags = ("--name", "--port", "--model-dir", "--tp", "--kv-budget", "--org-retained-share")
+    for flag in (*flags, "--decode-steps"):
         assert flag in out
 
 
@@ -32,6 +33,9 @@ def test_cli_bad_flags_are_clear_errors(tmp_path):
     r = subprocess.run([*CMD, "--org-retained-share", "2"], capture_output=True, text=True)
     assert r.returncode == 2
     assert "org_retained_share: Input should be less than or equal to 1" in r.stderr
+    r = subprocess.run([*CMD, "--decode-steps", "0"], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "decode_steps: Input should be greater than or equal to 1" in r.stderr
 
 
 def test_a_budget_that_cannot_hold_the_model_is_one_line_not_a_traceback(free_port):
