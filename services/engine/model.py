@@ -21,6 +21,7 @@ from .attention import paged_attention
 from .attention_plan import AttentionMetadata
 from .config import ModelConfig
 from .kv_pool import KVPool
+from .linear import linear
 from .rotary import Rotary, apply_rotary
 from .weights import RandomWeights, WeightSource
 
@@ -97,20 +98,22 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         if self.qkv_weight is None:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q = linear(x, self.q_proj.weight, self.q_proj.bias)
+            k = linear(x, self.k_proj.weight, self.k_proj.bias)
+            v = linear(x, self.v_proj.weight, self.v_proj.bias)
             q = q.view(t, self.num_heads, self.head_dim)
             k = k.view(t, self.num_kv_heads, self.head_dim)
             v = v.view(t, self.num_kv_heads, self.head_dim)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         else:
             heads = self.num_heads + 2 * self.num_kv_heads
-            qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(t, heads, self.head_dim)
+            qkv = linear(x, self.qkv_weight, self.qkv_bias).view(t, heads, self.head_dim)
             # NOTE: q and k sit side by side in the fused output: one rotation for both.
             qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, self.num_heads + self.num_kv_heads :]
         attn = paged_attention(layer, q, k, v, pool, meta)
-        out: torch.Tensor = self.o_proj(attn.reshape(t, self.num_heads * self.head_dim))
+        out = linear(attn.reshape(t, self.num_heads * self.head_dim), self.o_proj.weight)
         if self.tp_size > 1:
             dist.all_reduce(out)
         return out
@@ -132,10 +135,10 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+            gate, up = linear(x, self.gate_proj.weight), linear(x, self.up_proj.weight)
         else:
-            gate, up = F.linear(x, self.gate_up_weight).chunk(2, -1)
-        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
+            gate, up = linear(x, self.gate_up_weight).chunk(2, -1)
+        out = linear(F.silu(gate) * up, self.down_proj.weight)
         if self.tp_size > 1:
             dist.all_reduce(out)
         return out
@@ -229,7 +232,7 @@ class LlamaForCausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 ``[rows, vocab]`` logits of final hidden states."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight).to(torch.float32)
+        return linear(hidden, weight).to(torch.float32)
 
 
 def build_model(

@@ -1,0 +1,46 @@
+"""The engine's matrix products, on oneDNN where the CPU build has it.
+
+torch's ``F.linear`` on the CPU goes to MKL's sgemm/sgemv. On this AMD EPYC (and on
+AMD generally, where MKL takes a generic path) that is far off the memory bandwidth:
+SmolLM2-135M's 540 MB of float32 weights took 50 ms a decode step through MKL and
+27-32 ms through oneDNN's matmul, which torch ships as the op Inductor uses for CPU
+linears (``mkldnn._linear_pointwise``); 73-92 against 48-55 ms at 8 rows, and
+1.0 against 0.8 s at 512 (measured here, bench/RESULTS.md). The results agree with
+MKL's to float32 rounding (a different summation order).
+
+oneDNN costs about 20 us a call more than MKL, so small weights stay on MKL (a
+128 x 64 projection: 2.7 against 20.7 us). Elsewhere (CUDA, a build without oneDNN,
+dtypes oneDNN does not take) it is ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# NOTE: private (Inductor's CPU lowering calls it), so looked up once and optional.
+_ONEDNN = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+USE_ONEDNN = _ONEDNN is not None and torch.backends.mkldnn.is_available()
+
+# NOTE: measured here at one row: 576 x 576 took 27.6 us on MKL and 45.8 on oneDNN,
+# 960 x 576 took 57.9 and 34.3; oneDNN wins from about half a million weights up. In
+# a SmolLM2 decode step (every weight streamed from memory) its 576 x 576 o_proj took
+# 123 us on MKL and 187 on oneDNN, so the line holds there too.
+ONEDNN_MIN_WEIGHTS = 1 << 19
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``, as ``F.linear``."""
+    if (
+        USE_ONEDNN
+        and weight.numel() >= ONEDNN_MIN_WEIGHTS
+        and x.device.type == "cpu"
+        and x.dtype in _ONEDNN_DTYPES
+        and weight.dtype == x.dtype
+        and (bias is None or bias.dtype == x.dtype)
+    ):
+        assert _ONEDNN is not None
+        out: torch.Tensor = _ONEDNN(x, weight, bias, "none", [], "")
+        return out
+    return F.linear(x, weight, bias)
