@@ -453,6 +453,9 @@ class Scheduler:
             batch = self._schedule()
             if self.fault_hook is not None and not batch.empty:
                 self.fault_hook(batch)
+            # NOTE: before the copies: the blocks a run of steps needs may evict cached
+            # ones, whose demotions must be copied before the run overwrites them.
+            k = self._decode_steps(batch)
             if not await self._run_copies():
                 self.flush_events()
                 continue
@@ -462,7 +465,6 @@ class Scheduler:
                 await self._wake.wait()
                 continue
             t0 = time.perf_counter()
-            k = self._decode_steps(batch)
             failed: Exception | None = None  # a later step of a run that failed
             try:
                 if k > 1:
@@ -859,7 +861,9 @@ class Scheduler:
         anyone means one step, as before.
         """
         k = self.settings.decode_steps
-        if k <= 1 or batch.prefills or self.waiting or self.fault_hook is not None:
+        if k <= 1 or not batch.decodes or batch.prefills or self.waiting:
+            return 1
+        if self.fault_hook is not None:
             return 1
         for seq, _ in batch.decodes:
             if seq.cancelled or seq.context_full:

@@ -284,3 +284,30 @@ async def test_a_promotion_is_traced_as_a_promote_span_inside_the_prefill(tiered
     blocks = again.cache.promoted_tokens // 16
     assert promote.attributes["cachepoint.promote.host_blocks"] == blocks
     assert promote.attributes["cachepoint.promote.bytes"] == blocks * s.block_bytes
+
+
+@pytest.mark.parametrize("decode_steps", [1, 16])
+async def test_blocks_evicted_for_a_run_of_decode_steps_are_demoted_before_overwritten(
+    tiered: Engine, decode_steps: int
+) -> None:
+    """A long decode whose runs of steps need blocks evicts a cached prompt's blocks:
+    their demotions are copied before those blocks take the decode's K/V, so the
+    prompt, back from the host tier, decodes as it did the first time."""
+    s = Scheduler(
+        tiered,
+        ReplicaSettings(name="r-tier-multi", decode_steps=decode_steps),
+        sink=RecordingSink(),
+    )
+    s.start()
+    try:
+        first = await _run(s, _prompt(5), max_tokens=8)
+        grower = s.submit(
+            GenerateRequest(token_ids=_prompt(6, 20), max_tokens=200, ignore_eos=True)
+        )
+        await asyncio.wait_for(grower.done, 60)
+        again = await _run(s, _prompt(5), max_tokens=8)
+    finally:
+        await s.stop()
+    s.pool.check_invariants()
+    assert again.cache is not None and again.cache.promoted_tokens > 0
+    assert again.output == first.output
