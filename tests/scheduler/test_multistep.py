@@ -40,6 +40,7 @@ async def _run(engine: Engine, steps: int, requests: list[dict[str, Any]], **set
     thread = CountingThread()
     s = ReplicaSettings(name="r-multi", decode_steps=steps, max_num_batched_tokens=256, **settings)
     sched = Scheduler(engine, s, engine_thread=thread)
+    sched.multi_step_budget_s = 60.0  # count calls by steps alone, however slow the machine
     sched.start()
     try:
         seqs = [sched.submit(GenerateRequest(**r)) for r in requests]
@@ -134,6 +135,7 @@ async def test_a_request_arriving_mid_run_is_admitted_within_the_run(engine: Eng
     thread = CountingThread()
     s = ReplicaSettings(name="r-multi", decode_steps=16, max_num_batched_tokens=256)
     sched = Scheduler(engine, s, engine_thread=thread)
+    sched.multi_step_budget_s = 60.0
     sched.start()
     try:
         long = sched.submit(
@@ -158,6 +160,7 @@ async def test_a_request_arriving_mid_run_is_admitted_within_the_run(engine: Eng
 async def test_cancel_mid_run_takes_effect_at_the_next_boundary(engine: Engine) -> None:
     s = ReplicaSettings(name="r-multi", decode_steps=8, max_num_batched_tokens=256)
     sched = Scheduler(engine, s)
+    sched.multi_step_budget_s = 60.0
     sched.start()
     try:
         seq = sched.submit(
@@ -208,6 +211,7 @@ async def test_a_forward_failing_mid_run_fails_the_batch_after_the_steps_before_
 
     s = ReplicaSettings(name="r-multi", decode_steps=8, max_num_batched_tokens=256)
     sched = Scheduler(engine, s)
+    sched.multi_step_budget_s = 60.0
     sched.start()
     engine.fault_hook = hook
     try:
@@ -222,3 +226,23 @@ async def test_a_forward_failing_mid_run_fails_the_batch_after_the_steps_before_
     finally:
         engine.fault_hook = None
         await sched.stop()
+
+
+async def test_a_run_ends_once_its_time_budget_is_spent(engine: Engine) -> None:
+    """Slow steps (a large model) are not batched into long runs: a new request never
+    waits much longer than the budget for its prefill."""
+    thread = CountingThread()
+    s = ReplicaSettings(name="r-multi", decode_steps=16, max_num_batched_tokens=256)
+    sched = Scheduler(engine, s, engine_thread=thread)
+    sched.multi_step_budget_s = 0.0  # every step is over it: one step per call
+    sched.start()
+    try:
+        seq = sched.submit(
+            GenerateRequest(token_ids=_prompt(30, 12), max_tokens=9, ignore_eos=True)
+        )
+        await seq.done
+        assert len(seq.output) == 9
+        assert thread.calls == 9  # the prefill, then one call per decode step
+    finally:
+        await sched.stop()
+        thread.shutdown()

@@ -298,6 +298,7 @@ async def test_blocks_evicted_for_a_run_of_decode_steps_are_demoted_before_overw
         ReplicaSettings(name="r-tier-multi", decode_steps=decode_steps),
         sink=RecordingSink(),
     )
+    s.multi_step_budget_s = 60.0  # whole runs however slow the machine
     s.start()
     try:
         first = await _run(s, _prompt(5), max_tokens=8)
