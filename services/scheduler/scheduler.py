@@ -867,9 +867,7 @@ class Scheduler:
         anyone means one step, as before.
         """
         k = self.settings.decode_steps
-        if k <= 1 or not batch.decodes or batch.prefills or self.waiting:
-            return 1
-        if self.fault_hook is not None:
+        if k <= 1 or not batch.decodes or batch.prefills or self.waiting or self.fault_hook:
             return 1
         for seq, _ in batch.decodes:
             if seq.cancelled or seq.context_full:

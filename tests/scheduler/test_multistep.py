@@ -4,7 +4,9 @@ nothing a client sees changes (tokens, stops, sampling, usage, cancellation)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+from collections.abc import AsyncIterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -36,22 +38,35 @@ class CountingThread(ThreadPoolExecutor):
         return super().submit(fn, *args, **kwargs)
 
 
-async def _run(engine: Engine, steps: int, requests: list[dict[str, Any]], **settings: Any):
+@contextlib.asynccontextmanager
+async def _started(
+    engine: Engine, steps: int, budget_s: float = 60.0, **settings: Any
+) -> AsyncIterator[tuple[Scheduler, CountingThread]]:
+    """A running scheduler with ``decode_steps=steps`` on a counting engine thread.
+
+    NOTE: the default budget is long, so that runs are cut by steps alone however
+    slow the machine; the budget test sets its own.
+    """
     thread = CountingThread()
     s = ReplicaSettings(name="r-multi", decode_steps=steps, max_num_batched_tokens=256, **settings)
     sched = Scheduler(engine, s, engine_thread=thread)
-    sched.multi_step_budget_s = 60.0  # count calls by steps alone, however slow the machine
+    sched.multi_step_budget_s = budget_s
     sched.start()
     try:
+        yield sched, thread
+    finally:
+        await sched.stop()
+        thread.shutdown()
+
+
+async def _run(engine: Engine, steps: int, requests: list[dict[str, Any]], **settings: Any):
+    async with _started(engine, steps, **settings) as (sched, thread):
         seqs = [sched.submit(GenerateRequest(**r)) for r in requests]
         await asyncio.gather(*(q.done for q in seqs))
         results: list[GenerateResponse] = [sched.result(q) for q in seqs]
         sched.pool.check_invariants()
         assert all(b.ref_cnt == 0 for b in sched.pool.blocks)
         return results, thread.calls, sched.steps, sched.preemptions
-    finally:
-        await sched.stop()
-        thread.shutdown()
 
 
 def _same(a: list[GenerateResponse], b: list[GenerateResponse]) -> None:
@@ -132,12 +147,7 @@ async def test_seeded_sampling_draws_the_same_tokens(engine: Engine) -> None:
 
 
 async def test_a_request_arriving_mid_run_is_admitted_within_the_run(engine: Engine) -> None:
-    thread = CountingThread()
-    s = ReplicaSettings(name="r-multi", decode_steps=16, max_num_batched_tokens=256)
-    sched = Scheduler(engine, s, engine_thread=thread)
-    sched.multi_step_budget_s = 60.0
-    sched.start()
-    try:
+    async with _started(engine, 16) as (sched, _):
         long = sched.submit(
             GenerateRequest(token_ids=_prompt(40, 7), max_tokens=200, ignore_eos=True)
         )
@@ -152,17 +162,10 @@ async def test_a_request_arriving_mid_run_is_admitted_within_the_run(engine: Eng
         assert not long.done.done()
         await long.done
         assert len(sched.result(long).output_token_ids) == 200
-    finally:
-        await sched.stop()
-        thread.shutdown()
 
 
 async def test_cancel_mid_run_takes_effect_at_the_next_boundary(engine: Engine) -> None:
-    s = ReplicaSettings(name="r-multi", decode_steps=8, max_num_batched_tokens=256)
-    sched = Scheduler(engine, s)
-    sched.multi_step_budget_s = 60.0
-    sched.start()
-    try:
+    async with _started(engine, 8) as (sched, _):
         seq = sched.submit(
             GenerateRequest(token_ids=_prompt(50, 9), max_tokens=400, ignore_eos=True)
         )
@@ -174,8 +177,6 @@ async def test_cancel_mid_run_takes_effect_at_the_next_boundary(engine: Engine) 
         assert len(seq.output) < 3 + 2 * 8
         sched.pool.check_invariants()
         assert all(b.ref_cnt == 0 for b in sched.pool.blocks)
-    finally:
-        await sched.stop()
 
 
 async def test_a_pool_too_full_for_the_run_takes_single_steps_and_preempts_as_before(
@@ -209,40 +210,29 @@ async def test_a_forward_failing_mid_run_fails_the_batch_after_the_steps_before_
         if layer == 1 and forwards["n"] == 4:  # prefill, then the run's third decode
             raise RuntimeError("injected fault")
 
-    s = ReplicaSettings(name="r-multi", decode_steps=8, max_num_batched_tokens=256)
-    sched = Scheduler(engine, s)
-    sched.multi_step_budget_s = 60.0
-    sched.start()
     engine.fault_hook = hook
     try:
-        seq = sched.submit(
-            GenerateRequest(token_ids=_prompt(30, 11), max_tokens=20, ignore_eos=True)
-        )
-        with pytest.raises(EngineFailedError, match="forward pass failed: injected fault"):
-            await seq.done
-        assert len(seq.output) == 1 + 2  # the prefill's token, then two decode steps'
-        sched.pool.check_invariants()
-        assert all(b.ref_cnt == 0 for b in sched.pool.blocks)
+        async with _started(engine, 8) as (sched, _):
+            seq = sched.submit(
+                GenerateRequest(token_ids=_prompt(30, 11), max_tokens=20, ignore_eos=True)
+            )
+            with pytest.raises(EngineFailedError, match="forward pass failed: injected fault"):
+                await seq.done
+            assert len(seq.output) == 1 + 2  # the prefill's token, then two decode steps'
+            sched.pool.check_invariants()
+            assert all(b.ref_cnt == 0 for b in sched.pool.blocks)
     finally:
         engine.fault_hook = None
-        await sched.stop()
 
 
 async def test_a_run_ends_once_its_time_budget_is_spent(engine: Engine) -> None:
     """Slow steps (a large model) are not batched into long runs: a new request never
     waits much longer than the budget for its prefill."""
-    thread = CountingThread()
-    s = ReplicaSettings(name="r-multi", decode_steps=16, max_num_batched_tokens=256)
-    sched = Scheduler(engine, s, engine_thread=thread)
-    sched.multi_step_budget_s = 0.0  # every step is over it: one step per call
-    sched.start()
-    try:
+    # A budget of 0: every step is over it, so one step per call.
+    async with _started(engine, 16, budget_s=0.0) as (sched, thread):
         seq = sched.submit(
             GenerateRequest(token_ids=_prompt(30, 12), max_tokens=9, ignore_eos=True)
         )
         await seq.done
         assert len(seq.output) == 9
         assert thread.calls == 9  # the prefill, then one call per decode step
-    finally:
-        await sched.stop()
-        thread.shutdown()
