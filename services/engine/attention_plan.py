@@ -141,13 +141,21 @@ def plan_varlen(
     )
 
 
-def _split(runs: list[Run], block_size: int) -> tuple[list[Segment], list[int]]:
-    """Long runs as segments, the blocks of short ones as a gather list."""
+def _split(
+    runs: list[Run],
+    block_size: int,
+    gaps: list[list[tuple[int, int]]] | None = None,
+    device: torch.device | None = None,
+) -> tuple[list[Segment], list[int]]:
+    """Long runs as segments, the blocks of short ones as a gather list; with ``gaps``
+    (from :func:`_bridge`, one list per run), a joined run's view masks its gaps."""
     segments: list[Segment] = []
     gathered: list[int] = []
-    for r in runs:
-        if r.count >= MIN_RUN:
-            segments.append(Segment(r.block, r.count * block_size))
+    for i, r in enumerate(runs):
+        if r.count >= MIN_RUN:  # a joined run always is
+            n = r.count * block_size
+            bias = None if gaps is None else _gap_bias(gaps[i], n, block_size, device)
+            segments.append(Segment(r.block, n, bias))
         else:
             gathered.extend(range(r.block, r.block + r.count))
     return segments, gathered
@@ -181,7 +189,7 @@ def _bridge(runs: list[Run], limit: int) -> tuple[list[Run], list[list[tuple[int
 
 
 def _gap_bias(
-    gaps: list[tuple[int, int]], tokens: int, block_size: int, device: torch.device
+    gaps: list[tuple[int, int]], tokens: int, block_size: int, device: torch.device | None
 ) -> torch.Tensor | None:
     if not gaps:
         return None
@@ -261,14 +269,7 @@ def plan_decode(
             continue
         runs, gaps = _bridge(t.span(shared, f + 1), bridge)
         last, last_gaps = runs.pop(), gaps.pop()  # ends with the current block
-        segments: list[Segment] = []
-        gathered: list[int] = []
-        for r, hidden in zip(runs, gaps, strict=True):
-            if r.count >= MIN_RUN:  # a joined run always is
-                n = r.count * block_size
-                segments.append(Segment(r.block, n, _gap_bias(hidden, n, block_size, device)))
-            else:
-                gathered.extend(range(r.block, r.block + r.count))
+        segments, gathered = _split(runs, block_size, gaps, device)
         if last.count >= MIN_RUN:
             tokens = (last.count - 1) * block_size + used
             last_bias = _gap_bias(last_gaps, tokens, block_size, device)
