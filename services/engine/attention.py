@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import cpu_kernels
 from .attention_cuda import cuda_paged_attention
 from .attention_plan import AttentionMetadata, DecodeSpan, PrefillSpan
 from .kv_pool import KVPool
@@ -154,6 +155,14 @@ def _prefill(
     if span.num_cached == 0:
         res = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
         return res[0].transpose(0, 1)
+    if span.block_ids is not None and cpu_kernels.paged_prefill_supported(q, pool.shape.dtype):
+        # One call over the whole context through the block table: the new tokens' K/V
+        # were written to the pool above, and are read back from it like the cache.
+        k_cache, v_cache = pool.head_major(layer)
+        scale = q.shape[-1] ** -0.5
+        return cpu_kernels.paged_prefill(
+            q, k_cache, v_cache, span.block_ids, span.num_cached, scale
+        )[0]
     rows, kv_heads = q.shape[0], k.shape[1]
     own = partial_attention(qs, ks, vs, causal=True)
     parts = [(own[0][0].transpose(0, 1), own[1][0].transpose(0, 1))]

@@ -76,6 +76,9 @@ class PrefillSpan:
     length: int  # N: the context attended over, positions 0..N-1
     segments: list[Segment]  # cached positions read in place
     gathered: torch.Tensor | None  # [g] pool ids of cached full blocks to copy, or None
+    # int32 [ceil(length / block_size)] pool ids of the whole context (a view of the
+    # table's persistent row), for a kernel that reads the table itself; CPU only
+    block_ids: torch.Tensor | None = None
 
     @property
     def num_cached(self) -> int:
@@ -225,7 +228,8 @@ def plan_prefill(
     ids = None
     if gathered:
         ids = torch.tensor(gathered, dtype=torch.long, device=device)
-    return PrefillSpan(start, end, length, segments, ids)
+    block_ids = table.ids[: -(-length // block_size)] if device.type == "cpu" else None
+    return PrefillSpan(start, end, length, segments, ids, block_ids)
 
 
 def plan_decode(

@@ -16,7 +16,14 @@ import textwrap
 import pytest
 import torch
 
-from cachepoint.engine import EngineConfig, ModelConfig, PrefillRequest, attention, attention_plan
+from cachepoint.engine import (
+    EngineConfig,
+    ModelConfig,
+    PrefillRequest,
+    attention,
+    attention_plan,
+    cpu_kernels,
+)
 from cachepoint.engine.attention import paged_attention
 from cachepoint.engine.attention_cuda import reference_paged_attention
 from cachepoint.engine.batch import DecodeRequest
@@ -41,7 +48,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (6, 2), (8, 1)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("path", ["cpu_flash", "math"])
+@pytest.mark.parametrize("path", ["cpu_flash", "math", "kernel"])
 @pytest.mark.parametrize("layout", ["shuffled", "runs"])
 def test_paged_attention_matches_reference(
     monkeypatch: pytest.MonkeyPatch, heads: int, kv_heads: int, seed: int, path: str, layout: str
@@ -54,8 +61,24 @@ def test_paged_attention_matches_reference(
     ``MIN_RUN``), and the decode lanes share a prefix of blocks, so in-place runs, the
     shared cascade segment, per-lane runs and gathered leftovers all take part.
     ``math`` forces the float32 fallback that devices without the CPU flash kernel
-    take, in query chunks that cut sequences.
+    take, in query chunks that cut sequences. ``kernel`` runs the cached prefills
+    through our CPU kernel, which reads the block table itself (where it is built).
     """
+    d = 8
+    calls: list[int] = []
+    if path == "kernel":
+        if cpu_kernels.why_unavailable() is not None:
+            pytest.skip(f"CPU kernel not usable here: {cpu_kernels.why_unavailable()}")
+        d = 16  # its smallest head size
+        real = cpu_kernels.paged_prefill
+
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(cpu_kernels, "paged_prefill", counted)
+    else:
+        monkeypatch.setattr(cpu_kernels, "paged_prefill_supported", lambda *_: False)
     if path == "math":
         monkeypatch.setattr(attention, "_CPU_FLASH", None)
         monkeypatch.setattr(attention, "QUERY_CHUNK", 7)
@@ -63,7 +86,6 @@ def test_paged_attention_matches_reference(
         monkeypatch.setattr(attention_plan, "MIN_RUN", 2)
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    d = 8
     config = ModelConfig.tiny(num_heads=heads, num_kv_heads=kv_heads, hidden_size=heads * d)
     runner = ModelRunner(
         config, EngineConfig(block_size=BLOCK, device="cpu", kv_cache_bytes=8 << 20), seed=seed
@@ -130,6 +152,8 @@ def test_paged_attention_matches_reference(
         assert (got - expected).abs().max().item() <= 1e-5
         row += qi.shape[0]
     assert row == out.shape[0]
+    if path == "kernel":  # every prefill with a cached prefix, one call a layer each
+        assert len(calls) == sum(1 for _total, cached in prefill_shapes if cached)
 
 
 _MEMORY_PROBE = textwrap.dedent(

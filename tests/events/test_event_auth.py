@@ -125,7 +125,16 @@ class SecureFleet:
             )
         )
         self.url = serve(self.gw)
-        wait_for(lambda: self.live() == {"r0", "r1"}, "both replicas live")
+        # NOTE: live alone can come from the health poll before the gateway's NATS
+        # subscriptions exist; a heartbeat heard over NATS proves they do, so a test's
+        # forged message cannot be published into the void.
+        wait_for(lambda: self.live() == {"r0", "r1"} and self.heard(), "both heartbeats heard")
+
+    def heard(self) -> bool:
+        return all(
+            n in self.directory.replicas and self.directory.replicas[n].last_heartbeat > 0
+            for n in ("r0", "r1")
+        )
 
     @property
     def directory(self):

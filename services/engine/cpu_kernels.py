@@ -1,0 +1,180 @@
+"""The engine's own CPU kernel (``csrc/paged_prefill.cpp``): built once, then loaded.
+
+The kernel is compiled against the installed torch with ``torch.utils.cpp_extension``
+(g++ and ninja) into a folder keyed by a digest of its source, the torch version and
+the flags, so a changed source or a new torch builds afresh and a stale library is
+never loaded. ``make install`` and the replica image build it ahead of time
+(``python -m cachepoint.engine.cpu_kernels``); a replica that finds no built library
+builds it on first use (about 20 s), and one that cannot (no compiler, no AVX-512)
+logs why once and attends with torch's flash kernel instead. Nothing else changes:
+the kernel is an accelerator, never a requirement.
+
+Settings (environment):
+
+- ``CACHEPOINT_KERNEL_CACHE``: where built libraries live (default: the Python
+  environment's ``share/cachepoint/kernels``, else ``~/.cache/cachepoint/kernels``);
+- ``CACHEPOINT_CPU_KERNELS=0``: never load it (torch's kernels only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_prefill.cpp"
+FLAGS = ("-O3", "-mavx512f", "-mfma", "-fno-math-errno")
+ENV_CACHE = "CACHEPOINT_KERNEL_CACHE"
+ENV_SWITCH = "CACHEPOINT_CPU_KERNELS"
+
+
+def cache_root() -> Path:
+    """The folder built libraries live under."""
+    configured = os.environ.get(ENV_CACHE)
+    if configured:
+        return Path(configured)
+    share = Path(sys.prefix) / "share" / "cachepoint" / "kernels"
+    if os.access(sys.prefix, os.W_OK) or share.exists():
+        return share
+    return Path.home() / ".cache" / "cachepoint" / "kernels"
+
+
+def library_name() -> str:
+    """The build's name: a digest of what shapes the binary."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(torch.__version__.encode())
+    h.update(" ".join(FLAGS).encode())
+    return f"cachepoint_cpu_{h.hexdigest()[:12]}"
+
+
+def library_path() -> Path:
+    name = library_name()
+    return cache_root() / name / f"{name}.so"
+
+
+def why_unavailable() -> str | None:
+    """Why this process cannot use the kernel at all (before any build), or None."""
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        return f"{ENV_SWITCH}=0"
+    if sys.platform != "linux":
+        return f"the kernel is built for Linux, not {sys.platform}"
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return f"this CPU runs torch's {torch.backends.cpu.get_cpu_capability()} kernels, not AVX512"
+    return None
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the kernel (and load it into this process); returns the library."""
+    from torch.utils import cpp_extension  # NOTE: imports setuptools; only when building
+
+    name = library_name()
+    folder = cache_root() / name
+    folder.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name=name,
+        sources=[str(SOURCE)],
+        extra_cflags=list(FLAGS),
+        build_directory=str(folder),
+        is_python_module=False,
+        verbose=verbose,
+    )
+    return folder / f"{name}.so"
+
+
+@functools.cache
+def load() -> bool:
+    """Load the kernel once per process, building it if needed; False when it cannot
+    be had (the reason is logged once)."""
+    why = why_unavailable()
+    if why is None:
+        path = library_path()
+        try:
+            if path.exists():
+                torch.ops.load_library(str(path))
+            else:
+                log.info("building the CPU attention kernel into %s (once)", path.parent)
+                build()
+            return True
+        except Exception as exc:  # no compiler, a read-only cache, a broken build
+            why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"
+    log.warning("CPU attention kernel unavailable (%s): using torch's flash kernel", why)
+    return False
+
+
+# NOTE: the kernel's FMAs per score grow with head_dim while torch's flash kernel
+# turns its tiles into GEMMs whose inner dimension is head_dim: measured on this
+# project's CPUs (bench/RESULTS.md, "The CPU prefill kernel"), the kernel took 0.4x
+# torch's time at head_dim 16 and more than torch's at 32 and 64.
+MAX_HEAD_DIM = 16
+
+
+def paged_prefill_supported(q: torch.Tensor, pool_dtype: torch.dtype) -> bool:
+    """Whether :func:`paged_prefill` takes these queries over a pool of ``pool_dtype``
+    (and is the faster way to: see :data:`MAX_HEAD_DIM`)."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and pool_dtype == torch.float32
+        and q.shape[-1] <= MAX_HEAD_DIM
+        and load()
+        and bool(torch.ops.cachepoint.paged_prefill_supports(q.shape[-1]))
+    )
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cached: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of ``q`` ``[n, Hq, D]`` (positions ``cached..cached+n-1``) over
+    the sequence's first ``cached + n`` slots, read through ``block_table`` (int32 pool
+    block ids) from ``k_cache``/``v_cache`` ``[Hkv, blocks, block_size, D]``; returns
+    the output ``[n, Hq, D]`` and its log-sum-exp ``[n, Hq]``."""
+    return torch.ops.cachepoint.paged_prefill(q, k_cache, v_cache, block_table, cached, scale)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m cachepoint.engine.cpu_kernels",
+        description="Build the engine's CPU attention kernel ahead of time (make install "
+        "and the replica image do), or say why this machine cannot use it.",
+    )
+    ap.add_argument("--check", action="store_true", help="only report; build nothing")
+    ap.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    args = ap.parse_args(argv)
+    why = why_unavailable()
+    if why is not None:
+        print(f"CPU attention kernel: not used here ({why}); torch's kernels serve instead")
+        return 0
+    path = library_path()
+    if path.exists():
+        print(f"CPU attention kernel: built ({path})")
+        return 0
+    if args.check:
+        print(f"CPU attention kernel: not built yet (would build into {path.parent})")
+        return 0
+    t0 = time.monotonic()
+    print(f"CPU attention kernel: building into {path.parent} ...", flush=True)
+    try:
+        build(verbose=args.verbose)
+    except Exception as exc:
+        print(f"CPU attention kernel: build failed: {exc}", file=sys.stderr)
+        return 1
+    print(f"CPU attention kernel: built in {time.monotonic() - t0:.0f} s ({path})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

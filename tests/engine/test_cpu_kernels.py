@@ -1,0 +1,192 @@
+"""The CPU prefill kernel (csrc/paged_prefill.cpp) against a float64 reference, its
+input checks, and how it is built, found and switched off.
+
+On a machine that can use it (Linux, AVX-512: this project's CI machines) the kernel
+must build: a test here fails, rather than skips, when it does not.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cachepoint.engine import Engine, EngineConfig, ModelConfig, PrefillRequest, cpu_kernels
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.why_unavailable() is not None,
+    reason=f"CPU kernel not usable here: {cpu_kernels.why_unavailable()}",
+)
+
+
+def reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, cached: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(Q K^T / sqrt(d) + lower-right causal mask) V in float64, each slot looked
+    up through the table one by one; and the log-sum-exp."""
+    n, heads, d = q.shape
+    kv_heads, _blocks, bs, _ = k_cache.shape
+    total = cached + n
+    slots = torch.arange(total)
+    block, offset = table.long()[slots // bs], slots % bs
+    k = k_cache[:, block, offset].double().repeat_interleave(heads // kv_heads, 0)
+    v = v_cache[:, block, offset].double().repeat_interleave(heads // kv_heads, 0)
+    scores = torch.einsum("nhd,hkd->hnk", q.double(), k) / math.sqrt(d)
+    hidden = torch.arange(total)[None, :] > (cached + torch.arange(n))[:, None]
+    scores = scores.masked_fill(hidden[None], float("-inf"))
+    out = torch.einsum("hnk,hkd->nhd", scores.softmax(-1), v)
+    return out, torch.logsumexp(scores, -1).transpose(0, 1)
+
+
+def test_the_kernel_builds_and_loads_here() -> None:
+    assert cpu_kernels.load(), "the kernel must build on a machine that can use it"
+    assert cpu_kernels.library_path().exists()
+    assert torch.ops.cachepoint.paged_prefill_supports(16)
+    assert not torch.ops.cachepoint.paged_prefill_supports(8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    head_dim=st.sampled_from([16, 32, 64, 128]),
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 4),
+    block_size=st.sampled_from([1, 5, 8, 16, 32]),
+    cached=st.integers(0, 300),
+    new=st.integers(1, 90),
+    spare=st.integers(0, 20),
+    seed=st.integers(0, 2**16),
+)
+def test_paged_prefill_matches_the_reference_over_random_tables(
+    head_dim: int,
+    kv_heads: int,
+    group: int,
+    block_size: int,
+    cached: int,
+    new: int,
+    spare: int,
+    seed: int,
+) -> None:
+    """Random block tables (shuffled pool ids, spare blocks never read), block sizes that
+    are not powers of two, cached prefixes that end mid-block, GQA groups: output and
+    log-sum-exp within 5e-5 of float64 (scores scaled up to make the softmax peaky)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = -(-(cached + new) // block_size)
+    pool = blocks + spare
+    k_cache = torch.randn(kv_heads, pool, block_size, head_dim, generator=gen) * 2
+    v_cache = torch.randn(kv_heads, pool, block_size, head_dim, generator=gen)
+    table = torch.randperm(pool, generator=gen)[:blocks].to(torch.int32)
+    q = torch.randn(new, kv_heads * group, head_dim, generator=gen) * 2
+    out, lse = cpu_kernels.paged_prefill(q, k_cache, v_cache, table, cached, head_dim**-0.5)
+    want_out, want_lse = reference(q, k_cache, v_cache, table, cached)
+    assert out.shape == want_out.shape and lse.shape == want_lse.shape
+    assert (out.double() - want_out).abs().max().item() < 5e-5
+    assert (lse.double() - want_lse).abs().max().item() < 5e-5
+
+
+def test_strided_queries_are_read_as_they_lie() -> None:
+    """q as the model hands it over: a view into a fused projection (token stride wider
+    than the heads)."""
+    torch.manual_seed(1)
+    kv_heads, heads, d, bs = 2, 4, 16, 16
+    fused = torch.randn(40, (heads + 2 * kv_heads) * d)
+    q = fused[:, : heads * d].view(40, heads, d)
+    assert not q.is_contiguous()
+    k_cache, v_cache = torch.randn(2, kv_heads, 8, bs, d).unbind(0)
+    table = torch.tensor([7, 2, 5, 0, 1], dtype=torch.int32)
+    out, _ = cpu_kernels.paged_prefill(q, k_cache, v_cache, table, 33, d**-0.5)
+    want, _ = reference(q.contiguous(), k_cache, v_cache, table, 33)
+    assert (out.double() - want).abs().max().item() < 5e-5
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("short_table", "block_table covers 32 slots, but 40 are attended"),
+        ("int64_table", "contiguous int32 vector"),
+        ("bf16", "float32"),
+        ("head_dim", "head_dim 24 is not supported"),
+        ("gqa", "multiple of kv_heads"),
+    ],
+)
+def test_bad_inputs_are_refused_with_a_reason(change: str, message: str) -> None:
+    kv_heads, heads, d, bs = 2, 4, 16, 16
+    q = torch.randn(8, heads, d)
+    k_cache = torch.randn(kv_heads, 4, bs, d)
+    v_cache = torch.randn(kv_heads, 4, bs, d)
+    table = torch.arange(3, dtype=torch.int32)
+    cached = 8
+    if change == "short_table":
+        table, cached = table[:2], 32
+    elif change == "int64_table":
+        table = table.long()
+    elif change == "bf16":
+        q = q.bfloat16()
+    elif change == "head_dim":
+        q = torch.randn(8, heads, 24)
+        k_cache, v_cache = torch.randn(2, kv_heads, 4, bs, 24).unbind(0)
+    elif change == "gqa":
+        q = torch.randn(8, 3, d)
+    with pytest.raises(RuntimeError, match=message):
+        cpu_kernels.paged_prefill(q, k_cache, v_cache, table, cached, d**-0.5)
+
+
+def test_a_cached_prefill_through_the_kernel_equals_a_cold_one_and_torchs_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The tiny model (head_dim 16): a prefill over a cached prefix gives the cold
+    prefill's logits to 1e-4, through the kernel and with the kernel switched off."""
+    total, cached = 700, 560
+
+    def logits(kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        monkeypatch.setattr(
+            cpu_kernels, "paged_prefill_supported", real if kernel else (lambda *_: False)
+        )
+        engine = Engine(ModelConfig.tiny(), EngineConfig(block_size=16, device="cpu"), seed=3)
+        prompt = [(i * 7) % 250 + 1 for i in range(total)]
+        table = list(range(-(-total // 16)))[::-1]  # descending ids: no run to read in place
+        cold = engine.prefill([PrefillRequest(prompt, table)], all_logits=True)
+        warm = engine.prefill([PrefillRequest(prompt, table, cached)], all_logits=True)
+        assert cold.prefill_all_logits is not None and warm.prefill_all_logits is not None
+        return cold.prefill_all_logits[0][cached:], warm.prefill_all_logits[0]
+
+    real = cpu_kernels.paged_prefill_supported
+    cold_k, warm_k = logits(kernel=True)
+    cold_t, warm_t = logits(kernel=False)
+    assert (warm_k - cold_k).abs().max().item() < 1e-4
+    assert (warm_t - cold_t).abs().max().item() < 1e-4
+    assert (warm_k - warm_t).abs().max().item() < 1e-4
+
+
+def test_the_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+    assert cpu_kernels.why_unavailable() == f"{cpu_kernels.ENV_SWITCH}=0"
+
+
+def test_the_library_is_named_by_its_source_and_torch(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    name = cpu_kernels.library_name()
+    assert cpu_kernels.library_path().name == f"{name}.so"
+    monkeypatch.setattr(torch, "__version__", "0.0.0-other")
+    assert cpu_kernels.library_name() != name
+    monkeypatch.setenv(cpu_kernels.ENV_CACHE, str(tmp_path))
+    assert cpu_kernels.library_path().parent.parent == tmp_path
+
+
+def test_the_build_command_reports_what_it_finds(tmp_path) -> None:
+    """``--check`` on an empty cache says where it would build, and builds nothing; the
+    default cache (``make install`` built it) reports the built library."""
+    env_empty = {"CACHEPOINT_KERNEL_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    cmd = [sys.executable, "-m", "cachepoint.engine.cpu_kernels"]
+    out = subprocess.run(
+        [*cmd, "--check"], capture_output=True, text=True, env=env_empty, check=True
+    ).stdout
+    assert "not built yet" in out and str(tmp_path) in out
+    assert not any(tmp_path.iterdir())
+    built = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert "built" in built and str(cpu_kernels.library_path()) in built
