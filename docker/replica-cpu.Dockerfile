@@ -20,6 +20,13 @@ COPY operator operator
 RUN /opt/venv/bin/pip install --constraint docker/constraints.txt ".[replica]" \
  && /opt/venv/bin/python -c "import torch; assert torch.__version__.startswith('${TORCH_VERSION}'), torch.__version__" \
  && /opt/venv/bin/cachepoint-replica --help > /dev/null
+# The engine's CPU attention kernel (services/engine/csrc), compiled against this torch
+# into the venv, so the run stage needs no compiler; --any-cpu: the build machine's CPU
+# may lack the AVX-512 the nodes have (where they lack it, torch's kernels serve).
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++=4:12.2.0-3 \
+ && rm -rf /var/lib/apt/lists/* \
+ && /opt/venv/bin/python -m cachepoint.engine.build_kernel --any-cpu
 
 # ---- run: the venv alone, as an unprivileged user
 FROM ${PYTHON_IMAGE}

@@ -4,7 +4,7 @@ The kernel is compiled against the installed torch with ``torch.utils.cpp_extens
 (g++ and ninja) into a folder keyed by a digest of its source, the torch version and
 the flags, so a changed source or a new torch builds afresh and a stale library is
 never loaded. ``make install`` and the replica image build it ahead of time
-(``python -m cachepoint.engine.cpu_kernels``); a replica that finds no built library
+(``python -m cachepoint.engine.build_kernel``); a replica that finds no built library
 builds it on first use (about 20 s), and one that cannot (no compiler, no AVX-512)
 logs why once and attends with torch's flash kernel instead. Nothing else changes:
 the kernel is an accelerator, never a requirement.
@@ -18,13 +18,11 @@ Settings (environment):
 
 from __future__ import annotations
 
-import argparse
 import functools
 import hashlib
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,7 +30,10 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_prefill.cpp"
-FLAGS = ("-O3", "-mavx512f", "-mfma", "-fno-math-errno")
+# NOTE: -fopenmp makes at::parallel_for parallel (it is an OpenMP pragma in a header);
+# the library then links libgomp.so.1, which resolves to the copy torch already loaded,
+# so the kernel runs on torch's own thread team and honours torch.set_num_threads.
+FLAGS = ("-O3", "-mavx512f", "-mfma", "-fno-math-errno", "-fopenmp")
 ENV_CACHE = "CACHEPOINT_KERNEL_CACHE"
 ENV_SWITCH = "CACHEPOINT_CPU_KERNELS"
 
@@ -67,8 +68,9 @@ def why_unavailable() -> str | None:
         return f"{ENV_SWITCH}=0"
     if sys.platform != "linux":
         return f"the kernel is built for Linux, not {sys.platform}"
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return f"this CPU runs torch's {torch.backends.cpu.get_cpu_capability()} kernels, not AVX512"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != "AVX512":
+        return f"this CPU runs torch's {capability} kernels, not AVX512"
     return None
 
 
@@ -83,6 +85,7 @@ def build(verbose: bool = False) -> Path:
         name=name,
         sources=[str(SOURCE)],
         extra_cflags=list(FLAGS),
+        extra_ldflags=["-fopenmp"],
         build_directory=str(folder),
         is_python_module=False,
         verbose=verbose,
@@ -110,11 +113,12 @@ def load() -> bool:
     return False
 
 
-# NOTE: the kernel's FMAs per score grow with head_dim while torch's flash kernel
-# turns its tiles into GEMMs whose inner dimension is head_dim: measured on this
-# project's CPUs (bench/RESULTS.md, "The CPU prefill kernel"), the kernel took 0.4x
-# torch's time at head_dim 16 and more than torch's at 32 and 64.
-MAX_HEAD_DIM = 16
+# NOTE: the kernel's FMAs per score grow with head_dim, while torch's flash kernel
+# turns its tiles into GEMMs whose inner dimension is head_dim. Measured here (bench/
+# RESULTS.md, "The CPU prefill kernel"), a 336-token prefill over 5,664 cached keys
+# took 0.76x the flash path's time at head_dim 16 and 0.74x at 32, and SmolLM2's
+# 512 over 4,096 took 1.08x at 64: past 32, torch's kernel serves.
+MAX_HEAD_DIM = 32
 
 
 def paged_prefill_supported(q: torch.Tensor, pool_dtype: torch.dtype) -> bool:
@@ -143,38 +147,3 @@ def paged_prefill(
     block ids) from ``k_cache``/``v_cache`` ``[Hkv, blocks, block_size, D]``; returns
     the output ``[n, Hq, D]`` and its log-sum-exp ``[n, Hq]``."""
     return torch.ops.cachepoint.paged_prefill(q, k_cache, v_cache, block_table, cached, scale)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m cachepoint.engine.cpu_kernels",
-        description="Build the engine's CPU attention kernel ahead of time (make install "
-        "and the replica image do), or say why this machine cannot use it.",
-    )
-    ap.add_argument("--check", action="store_true", help="only report; build nothing")
-    ap.add_argument("--verbose", action="store_true", help="show the compiler's output")
-    args = ap.parse_args(argv)
-    why = why_unavailable()
-    if why is not None:
-        print(f"CPU attention kernel: not used here ({why}); torch's kernels serve instead")
-        return 0
-    path = library_path()
-    if path.exists():
-        print(f"CPU attention kernel: built ({path})")
-        return 0
-    if args.check:
-        print(f"CPU attention kernel: not built yet (would build into {path.parent})")
-        return 0
-    t0 = time.monotonic()
-    print(f"CPU attention kernel: building into {path.parent} ...", flush=True)
-    try:
-        build(verbose=args.verbose)
-    except Exception as exc:
-        print(f"CPU attention kernel: build failed: {exc}", file=sys.stderr)
-        return 1
-    print(f"CPU attention kernel: built in {time.monotonic() - t0:.0f} s ({path})")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -182,7 +182,7 @@ def test_the_build_command_reports_what_it_finds(tmp_path) -> None:
     """``--check`` on an empty cache says where it would build, and builds nothing; the
     default cache (``make install`` built it) reports the built library."""
     env_empty = {"CACHEPOINT_KERNEL_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    cmd = [sys.executable, "-m", "cachepoint.engine.cpu_kernels"]
+    cmd = [sys.executable, "-m", "cachepoint.engine.build_kernel"]
     out = subprocess.run(
         [*cmd, "--check"], capture_output=True, text=True, env=env_empty, check=True
     ).stdout

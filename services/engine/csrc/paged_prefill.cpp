@@ -112,60 +112,67 @@ void run_task(const Task& t) {
         }
       }
     }
-    // Scores, four keys at a time so four FMA chains overlap.
+    // Scores, eight keys at a time: eight independent FMA chains keep both FMA ports
+    // busy (four left them half idle on their 4-cycle latency). The tile's max rides
+    // along; on the diagonal, key j is visible to row r only when j <= pos[r]
+    // (lower-right causal: every cached key is visible to all rows).
+    const bool diagonal = j0 + n > all;
+    __m512 mt = _mm512_set1_ps(-INFINITY);
+    auto keep_max = [&](int j, __m512 a) {
+      if (diagonal) {
+        const __mmask16 vis = _mm512_cmple_epi32_mask(_mm512_set1_epi32(int32_t(j0 + j)), pos);
+        mt = _mm512_mask_max_ps(mt, vis, mt, a);
+      } else {
+        mt = _mm512_max_ps(mt, a);
+      }
+      _mm512_store_ps(s[j], a);
+    };
     int j = 0;
-    for (; j + 4 <= n; j += 4) {
-      const float *k0 = krow[j], *k1 = krow[j + 1], *k2 = krow[j + 2], *k3 = krow[j + 3];
-      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (; j + 8 <= n; j += 8) {
+      const float* kr[8];
+      for (int u = 0; u < 8; ++u) kr[u] = krow[j + u];
+      __m512 a[8];
+      for (int u = 0; u < 8; ++u) a[u] = _mm512_setzero_ps();
       for (int d = 0; d < D; ++d) {
         const __m512 qd = _mm512_load_ps(qt[d]);
-        a0 = _mm512_fmadd_ps(qd, _mm512_set1_ps(k0[d]), a0);
-        a1 = _mm512_fmadd_ps(qd, _mm512_set1_ps(k1[d]), a1);
-        a2 = _mm512_fmadd_ps(qd, _mm512_set1_ps(k2[d]), a2);
-        a3 = _mm512_fmadd_ps(qd, _mm512_set1_ps(k3[d]), a3);
+        for (int u = 0; u < 8; ++u) a[u] = _mm512_fmadd_ps(qd, _mm512_set1_ps(kr[u][d]), a[u]);
       }
-      _mm512_store_ps(s[j], a0);
-      _mm512_store_ps(s[j + 1], a1);
-      _mm512_store_ps(s[j + 2], a2);
-      _mm512_store_ps(s[j + 3], a3);
+      for (int u = 0; u < 8; ++u) keep_max(j + u, a[u]);
     }
     for (; j < n; ++j) {
       const float* k0 = krow[j];
-      __m512 a0 = _mm512_setzero_ps();
-      for (int d = 0; d < D; ++d)
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+      for (int d = 0; d + 1 < D; d += 2) {
         a0 = _mm512_fmadd_ps(_mm512_load_ps(qt[d]), _mm512_set1_ps(k0[d]), a0);
-      _mm512_store_ps(s[j], a0);
+        a1 = _mm512_fmadd_ps(_mm512_load_ps(qt[d + 1]), _mm512_set1_ps(k0[d + 1]), a1);
+      }
+      keep_max(j, _mm512_add_ps(a0, a1));
     }
 
-    // Online softmax over the tile. On the diagonal, key j is visible to row r only
-    // when j <= pos[r] (lower-right causal: every cached key is visible to all rows).
-    const bool diagonal = j0 + n > all;
-    __m512 mt = _mm512_set1_ps(-INFINITY);
-    for (j = 0; j < n; ++j) {
-      const __m512 sj = _mm512_load_ps(s[j]);
-      if (diagonal) {
-        const __mmask16 vis = _mm512_cmple_epi32_mask(_mm512_set1_epi32(int32_t(j0 + j)), pos);
-        mt = _mm512_mask_max_ps(mt, vis, mt, sj);
-      } else {
-        mt = _mm512_max_ps(mt, sj);
-      }
-    }
+    // Online softmax: rescale by the new max, then exponentiate each key's scores and
+    // add its values, 16 output dims at a time held in registers. The first 16 take
+    // the exponentials as they come; wider heads keep them for their other dims.
     const __m512 m_new = _mm512_max_ps(m, mt);
     const __m512 alpha = exp2_nonpositive(_mm512_sub_ps(m, m_new));
     m = m_new;
     l = _mm512_mul_ps(l, alpha);
-    for (j = 0; j < n; ++j) {
-      __m512 p = exp2_nonpositive(_mm512_sub_ps(_mm512_load_ps(s[j]), m));
-      if (diagonal) {
-        const __mmask16 vis = _mm512_cmple_epi32_mask(_mm512_set1_epi32(int32_t(j0 + j)), pos);
-        p = _mm512_maskz_mov_ps(vis, p);
+    {
+      __m512 o[16];
+      for (int d = 0; d < 16; ++d) o[d] = _mm512_mul_ps(_mm512_load_ps(acc[d]), alpha);
+      for (j = 0; j < n; ++j) {
+        __m512 p = exp2_nonpositive(_mm512_sub_ps(_mm512_load_ps(s[j]), m));
+        if (diagonal) {
+          const __mmask16 vis = _mm512_cmple_epi32_mask(_mm512_set1_epi32(int32_t(j0 + j)), pos);
+          p = _mm512_maskz_mov_ps(vis, p);
+        }
+        l = _mm512_add_ps(l, p);
+        if (D > 16) _mm512_store_ps(s[j], p);
+        const float* vr = vrow[j];
+        for (int d = 0; d < 16; ++d) o[d] = _mm512_fmadd_ps(p, _mm512_set1_ps(vr[d]), o[d]);
       }
-      l = _mm512_add_ps(l, p);
-      _mm512_store_ps(s[j], p);
+      for (int d = 0; d < 16; ++d) _mm512_store_ps(acc[d], o[d]);
     }
-
-    // Values: 16 output dims at a time, held in registers over the tile's keys.
-    for (int c = 0; c < D; c += 16) {
+    for (int c = 16; c < D; c += 16) {
       __m512 o[16];
       for (int d = 0; d < 16; ++d) o[d] = _mm512_mul_ps(_mm512_load_ps(acc[c + d]), alpha);
       for (j = 0; j < n; ++j) {
