@@ -207,6 +207,15 @@ def _decode(layer: int, q: torch.Tensor, pool: KVPool, span: DecodeSpan) -> torc
         for seg in span.shared:
             ck, cv = pool.segment(layer, seg.block, seg.tokens)
             parts.append(_unfold(partial_attention(qf, ck.unsqueeze(0), cv.unsqueeze(0)), batch))
+    if span.tables is not None:
+        assert span.lengths is not None
+        k_cache, v_cache = pool.head_major(layer)
+        own = cpu_kernels.paged_decode(
+            q, k_cache, v_cache, span.tables, span.lengths, span.key_start, dim**-0.5
+        )
+        if not parts:
+            return own[0]
+        parts.append(own)
     if span.lane_segments:
         if batch == 1:
             # A lone sequence: its runs are plain parts, no per-lane bookkeeping.

@@ -97,6 +97,12 @@ class DecodeSpan:
     rest: torch.Tensor | None  # [batch, P] pool ids lanes gather (short runs), or None
     rest_bias: torch.Tensor | None  # [batch, 1, 1, P * block_size] float 0 / -inf
     rest_empty: torch.Tensor | None  # [batch] bool: lanes with nothing in `rest`
+    # With a kernel that reads block tables itself (CPU, :func:`plan_decode`'s
+    # ``paged``), the lanes' keys after the shared blocks come from these instead of
+    # lane_segments and rest, which stay empty:
+    tables: torch.Tensor | None = None  # int32 [batch, width] each lane's pool ids
+    lengths: torch.Tensor | None = None  # int64 [batch] keys each lane attends
+    key_start: int = 0  # first key the tables are read from (the shared blocks' end)
 
 
 @dataclass(slots=True)
@@ -239,9 +245,11 @@ def plan_decode(
     block_size: int,
     device: torch.device,
     bridge: int = 0,
+    paged: bool = False,
 ) -> tuple[DecodeSpan, list[int]]:
     """The decode span, and each lane's write slot, for lanes at ``positions``;
     ``bridge`` foreign blocks at most may be masked inside one view (:func:`bridge_limit`).
+    With ``paged``, the lanes' own keys are left to a kernel that reads their tables.
 
     Lane ``i`` attends positions ``0..positions[i]``: its full blocks
     ``0..positions[i] // block_size - 1`` and the first slots of its current block,
@@ -257,6 +265,8 @@ def plan_decode(
             break
         shared = shared_blocks(head, t, shared)
     shared_segments = [Segment(r.block, r.count * block_size) for r in head.span(0, shared)]
+    if paged:
+        return _plan_paged_decode(tables, positions, start, block_size, shared, shared_segments)
     lane_segments: list[tuple[int, Segment]] = []
     rest: list[torch.Tensor] = []
     valid: list[int] = []
@@ -302,4 +312,42 @@ def plan_decode(
         if min(valid) == 0:
             empty = torch.tensor([v == 0 for v in valid], device=device)
     span = DecodeSpan(start, len(tables), shared_segments, lane_segments, ids, bias, empty)
+    return span, slots
+
+
+def _plan_paged_decode(
+    tables: list[SeqTable],
+    positions: list[int],
+    start: int,
+    block_size: int,
+    shared: int,
+    shared_segments: list[Segment],
+) -> tuple[DecodeSpan, list[int]]:
+    """:func:`plan_decode` for a kernel that reads each lane's table: the tables as one
+    int32 tensor (a view of a lone lane's persistent row; a row copy per lane
+    otherwise), no per-block work at all."""
+    used = [p // block_size + 1 for p in positions]
+    if len(tables) == 1:
+        ids = tables[0].ids[None, : used[0]]
+    else:
+        ids = torch.zeros(len(tables), max(used), dtype=torch.int32)
+        for i, (t, n) in enumerate(zip(tables, used, strict=True)):
+            ids[i, :n] = t.ids[:n]
+    lengths = torch.tensor([p + 1 for p in positions], dtype=torch.long)
+    slots = [
+        t.blocks[p // block_size] * block_size + p % block_size
+        for t, p in zip(tables, positions, strict=True)
+    ]
+    span = DecodeSpan(
+        start,
+        len(tables),
+        shared_segments,
+        [],
+        None,
+        None,
+        None,
+        tables=ids,
+        lengths=lengths,
+        key_start=shared * block_size,
+    )
     return span, slots

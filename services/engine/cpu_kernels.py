@@ -1,6 +1,11 @@
-"""The engine's own CPU kernel (``csrc/paged_prefill.cpp``): built once, then loaded.
+"""The engine's own CPU attention kernels (``csrc/``): built once, then loaded.
 
-The kernel is compiled against the installed torch with ``torch.utils.cpp_extension``
+- ``paged_prefill``: a prefill's rows over its whole context (cached blocks and its
+  own), causal lower-right, through its block table;
+- ``paged_decode``: decode lanes over their contexts through their block tables, each
+  lane's keys split in chunks across the threads (flash-decoding).
+
+The kernels are compiled against the installed torch with ``torch.utils.cpp_extension``
 (g++ and ninja) into a folder keyed by a digest of its source, the torch version and
 the flags, so a changed source or a new torch builds afresh and a stale library is
 never loaded. ``make install`` and the replica image build it ahead of time
@@ -24,12 +29,15 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_prefill.cpp"
+SOURCES = tuple(
+    Path(__file__).with_name("csrc") / f for f in ("paged_prefill.cpp", "paged_decode.cpp")
+)
 # NOTE: -fopenmp makes at::parallel_for parallel (it is an OpenMP pragma in a header);
 # the library then links libgomp.so.1, which resolves to the copy torch already loaded,
 # so the kernel runs on torch's own thread team and honours torch.set_num_threads.
@@ -51,7 +59,9 @@ def cache_root() -> Path:
 
 def library_name() -> str:
     """The build's name: a digest of what shapes the binary."""
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for source in SOURCES:
+        h.update(source.read_bytes())
     h.update(torch.__version__.encode())
     h.update(" ".join(FLAGS).encode())
     return f"cachepoint_cpu_{h.hexdigest()[:12]}"
@@ -83,7 +93,7 @@ def build(verbose: bool = False) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
         name=name,
-        sources=[str(SOURCE)],
+        sources=[str(s) for s in SOURCES],
         extra_cflags=list(FLAGS),
         extra_ldflags=["-fopenmp"],
         build_directory=str(folder),
@@ -121,6 +131,12 @@ def load() -> bool:
 MAX_HEAD_DIM = 32
 
 
+def _ops() -> Any:
+    if not load():
+        raise RuntimeError(f"the CPU attention kernel is unavailable: {why_unavailable()}")
+    return torch.ops.cachepoint
+
+
 def paged_prefill_supported(q: torch.Tensor, pool_dtype: torch.dtype) -> bool:
     """Whether :func:`paged_prefill` takes these queries over a pool of ``pool_dtype``
     (and is the faster way to: see :data:`MAX_HEAD_DIM`)."""
@@ -146,4 +162,32 @@ def paged_prefill(
     the sequence's first ``cached + n`` slots, read through ``block_table`` (int32 pool
     block ids) from ``k_cache``/``v_cache`` ``[Hkv, blocks, block_size, D]``; returns
     the output ``[n, Hq, D]`` and its log-sum-exp ``[n, Hq]``."""
-    return torch.ops.cachepoint.paged_prefill(q, k_cache, v_cache, block_table, cached, scale)
+    return _ops().paged_prefill(q, k_cache, v_cache, block_table, cached, scale)
+
+
+def paged_decode_supported(q: torch.Tensor, pool_dtype: torch.dtype, kv_heads: int) -> bool:
+    """Whether :func:`paged_decode` takes these decode queries over a pool of
+    ``pool_dtype`` with ``kv_heads`` KV heads."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and pool_dtype == torch.float32
+        and load()
+        and bool(torch.ops.cachepoint.paged_decode_supports(q.shape[-1], q.shape[1] // kv_heads))
+    )
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lengths: torch.Tensor,
+    start: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of decode rows ``q`` ``[lanes, Hq, D]``, lane ``i`` over its keys
+    ``start..lengths[i]-1`` read through ``block_tables[i]`` (int32 pool block ids;
+    ``lengths`` int64); returns the output ``[lanes, Hq, D]`` and its log-sum-exp
+    ``[lanes, Hq]`` (-inf and output 0 for a lane with no keys in the range)."""
+    return _ops().paged_decode(q, k_cache, v_cache, block_tables, lengths, start, scale)

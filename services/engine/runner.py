@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from . import cpu_kernels
 from .attention_cuda import cuda_paged_attention_available
 from .attention_plan import (
     AttentionMetadata,
@@ -100,6 +101,9 @@ class ModelRunner:
             if not self.paged_kernel:
                 log.warning("CUDA paged attention kernel not used: %s", why)
         self._bridge = 0  # foreign blocks a decode view may mask (set with the pool)
+        # NOTE: on the CPU our decode kernel reads each lane's table itself (float32);
+        # elsewhere, or where it cannot load, decode plans runs, views and gathers.
+        self._cpu_paged_decode = self.device.type == "cpu" and self._decode_kernel_fits()
         reserve = 0
         if self.device.type == "cuda":
             reserve = self._profile_forward_bytes()
@@ -110,6 +114,13 @@ class ModelRunner:
         self._bridge = bridge_limit(shape.bytes_per_block // shape.num_layers)
         self.tables = BlockTables(self.pool.num_blocks)  # persistent, keyed by seq_id
         self.tiers = self._build_tiers()
+
+    def _decode_kernel_fits(self) -> bool:
+        c, tp = self.model_config, self.tp_size
+        if self.dtype != torch.float32:  # the pool shares the model's dtype
+            return False
+        probe = torch.empty(1, c.num_heads // tp, c.head_dim)
+        return cpu_kernels.paged_decode_supported(probe, torch.float32, c.num_kv_heads // tp)
 
     def _build_tiers(self) -> KVTiers:
         """This rank's host and disk tiers; with TP, every rank fails if one does.
@@ -272,7 +283,9 @@ class ModelRunner:
             ]
             at = [d.position for d in decodes]
             kernel_rows.extend((t, (1, p + 1)) for t, p in zip(tables, at, strict=True))
-            decode, decode_slots = plan_decode(tables, at, row, bs, dev, self._bridge)
+            decode, decode_slots = plan_decode(
+                tables, at, row, bs, dev, self._bridge, paged=self._cpu_paged_decode
+            )
             ids.extend(d.token_id for d in decodes)
             positions.append(torch.tensor(at, dtype=torch.long))
             slots.append(torch.tensor(decode_slots, dtype=torch.long))

@@ -16,7 +16,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachepoint.engine import Engine, EngineConfig, ModelConfig, PrefillRequest, cpu_kernels
+from cachepoint.engine import (
+    DecodeRequest,
+    Engine,
+    EngineConfig,
+    ModelConfig,
+    PrefillRequest,
+    cpu_kernels,
+)
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.why_unavailable() is not None,
@@ -190,3 +197,130 @@ def test_the_build_command_reports_what_it_finds(tmp_path) -> None:
     assert not any(tmp_path.iterdir())
     built = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     assert "built" in built and str(cpu_kernels.library_path()) in built
+
+
+# ------------------------------------------------------------------------ decode
+
+
+def decode_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    start: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each lane's row over its keys ``start..length-1``, in float64; a lane with no
+    keys gives output 0 and log-sum-exp -inf."""
+    lanes, heads, d = q.shape
+    kv_heads, _blocks, bs, _ = k_cache.shape
+    outs, lses = [], []
+    for i in range(lanes):
+        slots = torch.arange(start, max(start, int(lengths[i])))
+        if not len(slots):
+            outs.append(torch.zeros(heads, d, dtype=torch.float64))
+            lses.append(torch.full((heads,), float("-inf"), dtype=torch.float64))
+            continue
+        block, offset = tables[i].long()[slots // bs], slots % bs
+        k = k_cache[:, block, offset].double().repeat_interleave(heads // kv_heads, 0)
+        v = v_cache[:, block, offset].double().repeat_interleave(heads // kv_heads, 0)
+        scores = torch.einsum("hd,hkd->hk", q[i].double(), k) / math.sqrt(d)
+        outs.append(torch.einsum("hk,hkd->hd", scores.softmax(-1), v))
+        lses.append(torch.logsumexp(scores, -1))
+    return torch.stack(outs), torch.stack(lses)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    head_dim=st.sampled_from([16, 32, 64, 128]),
+    kv_heads=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 3, 4, 7, 16]),
+    block_size=st.sampled_from([1, 5, 16]),
+    lengths=st.lists(st.integers(1, 1500), min_size=1, max_size=5),
+    start=st.integers(0, 40),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_paged_decode_matches_the_reference_over_random_tables(
+    head_dim: int,
+    kv_heads: int,
+    group: int,
+    block_size: int,
+    lengths: list[int],
+    start: int,
+    threads: int,
+    seed: int,
+) -> None:
+    """Lanes of different lengths over shuffled tables, a start past some lanes' ends
+    (their log-sum-exp -inf, output 0: they weigh nothing in a merge), contexts split
+    into chunks across 1 or 2 threads."""
+    gen = torch.Generator().manual_seed(seed)
+    width = -(-max(lengths) // block_size) + 1
+    pool = len(lengths) * width + 3
+    k_cache = torch.randn(kv_heads, pool, block_size, head_dim, generator=gen) * 2
+    v_cache = torch.randn(kv_heads, pool, block_size, head_dim, generator=gen)
+    perm = torch.randperm(pool, generator=gen)[: len(lengths) * width]
+    tables = perm.view(len(lengths), width).to(torch.int32)
+    q = torch.randn(len(lengths), kv_heads * group, head_dim, generator=gen) * 2
+    n = torch.tensor(lengths)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, n, start, head_dim**-0.5)
+    finally:
+        torch.set_num_threads(before)
+    want_out, want_lse = decode_reference(q, k_cache, v_cache, tables, n, start)
+    assert (out.double() - want_out).abs().max().item() < 5e-5
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    if finite.any():
+        assert (lse.double()[finite] - want_lse[finite]).abs().max().item() < 5e-5
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("long_lane", "lane 1 attends 80 keys but its table covers 64"),
+        ("int64_tables", "int32 \\[lanes, width\\]"),
+        ("int32_lengths", "contiguous int64 vector"),
+        ("lanes", "one block table row and one length per lane"),
+        ("group", "with 17 query heads per KV head is not supported"),
+    ],
+)
+def test_bad_decode_inputs_are_refused_with_a_reason(change: str, message: str) -> None:
+    q = torch.randn(2, 4, 16)
+    k_cache, v_cache = torch.randn(2, 2, 8, 16, 16).unbind(0)
+    tables = torch.arange(8, dtype=torch.int32).view(2, 4)
+    lengths = torch.tensor([10, 30])
+    if change == "long_lane":
+        lengths = torch.tensor([10, 80])
+    elif change == "int64_tables":
+        tables = tables.long()
+    elif change == "int32_lengths":
+        lengths = lengths.int()
+    elif change == "lanes":
+        lengths = lengths[:1]
+    elif change == "group":
+        q = torch.randn(2, 34, 16)
+    with pytest.raises(RuntimeError, match=message):
+        cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lengths, 0, 0.25)
+
+
+def test_decode_through_the_kernel_equals_torchs_path() -> None:
+    """The tiny model, four lanes sharing a prefix and then their own blocks: the same
+    logits through the kernel (with the shared prefix read once, merged in) and through
+    the planned runs and gathers it replaces."""
+    engine = Engine(ModelConfig.tiny(), EngineConfig(block_size=16, device="cpu"), seed=5)
+    runner = engine.runner
+    assert runner._cpu_paged_decode
+    prompt = [(i * 11) % 250 + 1 for i in range(300)]
+    shared = list(range(0, 18))  # the prefix's 18 full blocks, then each lane's own
+    lanes = [shared + list(range(100 + 10 * i, 104 + 10 * i)) for i in range(4)]
+    for lane in lanes:
+        engine.prefill([PrefillRequest(prompt, lane)])
+    batch = [DecodeRequest(7, 300 + i, lane) for i, lane in enumerate(lanes)]
+    with_kernel = engine.decode(batch)
+    runner._cpu_paged_decode = False
+    without = engine.decode(batch)
+    assert (with_kernel - without).abs().max().item() < 1e-4
+    assert runner._cpu_paged_decode is False
