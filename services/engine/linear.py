@@ -9,8 +9,12 @@ linears (``mkldnn._linear_pointwise``); 73-92 against 48-55 ms at 8 rows, and
 MKL's to float32 rounding (a different summation order).
 
 oneDNN costs about 20 us a call more than MKL, so small weights stay on MKL (a
-128 x 64 projection: 2.7 against 20.7 us). Elsewhere (CUDA, a build without oneDNN,
-dtypes oneDNN does not take) it is ``F.linear``.
+128 x 64 projection: 2.7 against 20.7 us). On Intel CPUs MKL's one-row product
+(sgemv) is the faster one: SmolLM2's weights at one row took 21.4 ms on MKL and 30.5
+on oneDNN (26.5 against 18.8 GB/s, a plain read being 23.5), and 52.9 against 43.2 ms
+at 8 rows (a Xeon with AVX-512, bench/RESULTS.md); so there a single row stays on MKL.
+Elsewhere (CUDA, a build without oneDNN, dtypes oneDNN does not take) it is
+``F.linear``.
 """
 
 from __future__ import annotations
@@ -30,6 +34,22 @@ USE_ONEDNN = _ONEDNN is not None and torch.backends.mkldnn.is_available()
 ONEDNN_MIN_WEIGHTS = 1 << 19
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``), or "" if unknown."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+# NOTE: MKL picks its code paths by CPU vendor, so the vendor is what decides.
+MKL_FOR_ONE_ROW = cpu_vendor() == "GenuineIntel"
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``, as ``F.linear``."""
     if (
@@ -39,6 +59,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and x.dtype in _ONEDNN_DTYPES
         and weight.dtype == x.dtype
         and (bias is None or bias.dtype == x.dtype)
+        and not (MKL_FOR_ONE_ROW and x.numel() == x.shape[-1])
     ):
         assert _ONEDNN is not None
         out: torch.Tensor = _ONEDNN(x, weight, bias, "none", [], "")
