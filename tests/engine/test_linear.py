@@ -74,4 +74,4 @@ def test_the_vendor_is_read_from_cpuinfo() -> None:
     vendor = lin.cpu_vendor()
     with open("/proc/cpuinfo") as f:
         assert f"vendor_id\t: {vendor}" in f.read()
-    assert lin.MKL_FOR_ONE_ROW == (vendor == "GenuineIntel")
+    assert (vendor == "GenuineIntel") == lin.MKL_FOR_ONE_ROW
