@@ -3,7 +3,8 @@
 - ``paged_prefill``: a prefill's rows over its whole context (cached blocks and its
   own), causal lower-right, through its block table;
 - ``paged_decode``: decode lanes over their contexts through their block tables, each
-  lane's keys split in chunks across the threads (flash-decoding).
+  lane's keys split in chunks across the threads (flash-decoding);
+- ``small_matmul``: the linears of a decode batch of 2 to 16 rows (see :mod:`.linear`).
 
 The kernels are compiled against the installed torch with ``torch.utils.cpp_extension``
 (g++ and ninja) into a folder keyed by a digest of its source, the torch version and
@@ -36,7 +37,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(
-    Path(__file__).with_name("csrc") / f for f in ("paged_prefill.cpp", "paged_decode.cpp")
+    Path(__file__).with_name("csrc") / f
+    for f in ("paged_prefill.cpp", "paged_decode.cpp", "small_matmul.cpp")
 )
 # NOTE: -fopenmp makes at::parallel_for parallel (it is an OpenMP pragma in a header);
 # the library then links libgomp.so.1, which resolves to the copy torch already loaded,
@@ -191,3 +193,17 @@ def paged_decode(
     ``lengths`` int64); returns the output ``[lanes, Hq, D]`` and its log-sum-exp
     ``[lanes, Hq]`` (-inf and output 0 for a lane with no keys in the range)."""
     return _ops().paged_decode(q, k_cache, v_cache, block_tables, lengths, start, scale)
+
+
+def small_matmul_supported() -> bool:
+    """Whether :func:`small_matmul` can run in this process."""
+    return load()
+
+
+def small_matmul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``x`` of 1 to 16 float32 rows ``[m, K]`` and
+    ``weight`` ``[N, K]`` with contiguous rows; returns ``[m, N]``."""
+    out: torch.Tensor = _ops().small_matmul(x, weight, bias)
+    return out

@@ -324,3 +324,52 @@ def test_decode_through_the_kernel_equals_torchs_path() -> None:
     without = engine.decode(batch)
     assert (with_kernel - without).abs().max().item() < 1e-4
     assert runner._cpu_paged_decode is False
+
+
+# ------------------------------------------------------------------ small matmul
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16])
+@pytest.mark.parametrize(("n", "k"), [(7, 5), (33, 70), (961, 576), (577, 1536)])
+def test_small_matmul_equals_float64(rows: int, n: int, k: int) -> None:
+    """Odd output counts (the last pair has one row), K not a multiple of 16, more
+    than one pass of eight rows, with and without a bias."""
+    torch.manual_seed(rows * n + k)
+    x, w, b = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
+    for bias in (None, b):
+        got = cpu_kernels.small_matmul(x, w, bias)
+        want = torch.nn.functional.linear(
+            x.double(), w.double(), None if bias is None else bias.double()
+        )
+        assert got.shape == (rows, n)
+        assert (got.double() - want).abs().max().item() < 1e-4
+
+
+def test_small_matmul_refuses_what_it_cannot_take() -> None:
+    with pytest.raises(RuntimeError, match="1 to 16 rows"):
+        cpu_kernels.small_matmul(torch.randn(17, 64), torch.randn(32, 64))
+    with pytest.raises(RuntimeError, match="K matching x"):
+        cpu_kernels.small_matmul(torch.randn(2, 64), torch.randn(32, 63))
+    with pytest.raises(RuntimeError, match="bias must be a contiguous float32"):
+        cpu_kernels.small_matmul(torch.randn(2, 64), torch.randn(32, 64), torch.randn(31))
+
+
+def test_linear_sends_decode_batches_to_small_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cachepoint.engine import linear as lin
+
+    calls: list[int] = []
+    real = cpu_kernels.small_matmul
+
+    def counted(x, w, b=None):
+        calls.append(x.shape[0])
+        return real(x, w, b)
+
+    monkeypatch.setattr(cpu_kernels, "small_matmul", counted)
+    w = torch.randn(1024, 576)
+    for rows in (1, 2, 8, 16, 17):
+        x = torch.randn(rows, 576)
+        assert (lin.linear(x, w) - torch.nn.functional.linear(x, w)).abs().max() < 1e-3
+    assert calls == [2, 8, 16]
+    lin.linear(torch.randn(4, 64), torch.randn(128, 64))  # the tiny model's sizes
+    lin.linear(torch.randn(4, 576), w.t().contiguous().t())  # columns not contiguous
+    assert calls == [2, 8, 16]
