@@ -15,6 +15,8 @@ from types import ModuleType
 
 import pytest
 
+from cachepoint.engine import cpu_kernels
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
 
@@ -33,7 +35,16 @@ def test_tiny_cpu_dry_run_without_installing_the_package() -> None:
     invisible: the script must import the engine from the checkout itself, as on the
     GPU machine, where nothing is installed."""
     paths = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
-    env = {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONPATH": os.pathsep.join(sorted(paths))}
+    # NOTE: without site, sys.prefix is the base interpreter's, so the CPU kernels'
+    # default cache would be a folder outside the venv where nothing is built yet: the
+    # dry run compiled them there (20-30 s) and left them behind. It is pointed at the
+    # venv's cache, which make install filled.
+    env = {
+        **os.environ,
+        "PYTHONSAFEPATH": "1",
+        "PYTHONPATH": os.pathsep.join(sorted(paths)),
+        cpu_kernels.ENV_CACHE: str(cpu_kernels.cache_root()),
+    }
     t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-S", str(SCRIPT), "--device", "cpu", "--tiny"],
