@@ -107,11 +107,17 @@ def create_app(
                 if telemetry is None:
                     tel.shutdown()
 
+    # NOTE: /docs, /redoc and /openapi.json only when asked for (api_docs): a public
+    # listener should not describe every route, admin ones included, to anyone.
+    docs = settings.api_docs
     app = FastAPI(
         title="Cachepoint gateway",
         version="0.1.0",
         description="Anthropic-compatible Messages API with managed prompt caching.",
         lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
     )
     errors.install(app)
     for module in (messages, models, reports, admin, health):

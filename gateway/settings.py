@@ -244,3 +244,11 @@ class GatewaySettings(BaseSettings):
     key_input_tokens_per_minute: int = Field(0, ge=0, description="per API key; 0 = no limit")
     auth_cache_seconds: float = Field(5.0, ge=0, description="how long a key lookup is reused")
     upstream_timeout_s: float = Field(600.0, gt=0, description="replica call timeout")
+    api_docs: bool = Field(
+        False, description="serve /docs, /redoc and /openapi.json; off = they are 404s"
+    )
+    sse_ping_interval_s: float = Field(
+        10.0,
+        ge=0,
+        description="a stream sends an SSE ping after this long without an event; 0 = none",
+    )
