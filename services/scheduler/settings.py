@@ -204,6 +204,9 @@ class ReplicaSettings(BaseSettings):
         description="bearer token /v1/generate, /v1/stats and /v1/drain require; None = open "
         "(dev only)",
     )
+    api_docs: bool = Field(
+        False, description="serve /docs, /redoc and /openapi.json; off = they are 404s"
+    )
 
     vllm_export_dir: Path | None = Field(
         None,

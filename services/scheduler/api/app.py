@@ -230,11 +230,17 @@ def create_app(
             if telemetry is None:
                 tel.shutdown()
 
+    # NOTE: /docs, /redoc and /openapi.json only when asked for (api_docs): the
+    # internal API is no one's to browse.
+    docs = settings.api_docs
     app = FastAPI(
         title=f"Cachepoint replica {settings.name}",
         version="0.1.0",
         description="Internal API between the gateway and one replica.",
         lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
     )
     install_error_handlers(app)
     for module in (generate, stats, drain, health):
