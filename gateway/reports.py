@@ -7,7 +7,6 @@ do the same way; every bucket in the window is returned, empty ones included.
 from __future__ import annotations
 
 import base64
-import binascii
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -42,6 +41,10 @@ class ReportError(ValueError):
     """A bad report parameter; the message names it."""
 
 
+class OutOfRange(ReportError):
+    """A timestamp outside what the reports support; the message names the range."""
+
+
 @dataclass(frozen=True, slots=True)
 class ReportQuery:
     org_id: str
@@ -57,29 +60,75 @@ class ReportQuery:
     user_ids: tuple[str, ...] = ()  # metadata.user_id values, as sent
 
 
-def _parse_time(name: str, value: str) -> datetime:
+# NOTE: buckets are counted in integer seconds from the epoch and turned into datetimes
+# only for starts and ends that lie within the window, so no width x limit step can leave
+# datetime's range; what is left to refuse is a timestamp that is itself outside it in
+# UTC (a year-1 time east of UTC, a 9999-12-31 time west of it).
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+EARLIEST = datetime.min.replace(tzinfo=UTC)
+LATEST = datetime.max.replace(microsecond=0, tzinfo=UTC)
+_SECOND = timedelta(seconds=1)
+
+
+def rfc3339(t: datetime) -> str:
+    """``t`` in UTC as RFC 3339 to the second, e.g. ``0001-01-01T00:00:00Z``.
+
+    NOTE: formatted field by field: ``strftime("%Y")`` gives "1" for year 1 on Linux,
+    which is not RFC 3339 (it needs four digits)."""
+    t = t.astimezone(UTC) if t.tzinfo is not None else t
+    return f"{t.year:04d}-{t.month:02d}-{t.day:02d}T{t.hour:02d}:{t.minute:02d}:{t.second:02d}Z"
+
+
+_RANGE = f"{rfc3339(EARLIEST)} to {rfc3339(LATEST)}"
+
+
+def parse_time(name: str, value: str) -> datetime:
+    """An RFC 3339 (or ISO 8601) timestamp in UTC; naive ones are taken as UTC."""
     try:
         t = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
         raise ReportError(f"{name}: not an RFC 3339 timestamp: {value!r}") from None
-    return t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC)
+    try:
+        return t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC)
+    except OverflowError:
+        raise OutOfRange(
+            f"{name}: {value!r} is outside the supported range, {_RANGE} (UTC)"
+        ) from None
+
+
+def _secs(t: datetime) -> int:
+    """Whole seconds since the epoch, floored (exact: no float on the way)."""
+    return (t - EPOCH) // _SECOND
+
+
+def _at(secs: int) -> datetime:
+    """The UTC datetime ``secs`` after the epoch (before it when negative)."""
+    return EPOCH + timedelta(seconds=secs)
 
 
 def _snap(t: datetime, width: str) -> datetime:
     secs = WIDTHS[width]
-    return datetime.fromtimestamp(int(t.timestamp()) // secs * secs, UTC)
+    return _at(_secs(t) // secs * secs)
 
 
 def encode_page(start: datetime) -> str:
-    return "page_" + base64.urlsafe_b64encode(start.isoformat().encode()).decode()
+    return "page_" + base64.urlsafe_b64encode(rfc3339(start).encode()).decode()
 
 
-def _decode_page(page: str) -> datetime:
+def _decode_page(page: str, width: str) -> datetime:
     try:
         raw = base64.urlsafe_b64decode(page.removeprefix("page_").encode()).decode()
-        return _parse_time("page", raw)
-    except (binascii.Error, UnicodeDecodeError, ReportError):
+    except ValueError:  # binascii.Error and UnicodeDecodeError both are
+        raw = ""
+    try:
+        start = parse_time("page", raw)
+    except OutOfRange:
+        raise
+    except ReportError:
         raise ReportError("page: not a page token from a previous response") from None
+    # NOTE: a token this gateway wrote is a bucket start already; a forged one is
+    # snapped like starting_at so its buckets line up with the ledger's.
+    return _snap(start, width)
 
 
 def parse_query(
@@ -110,14 +159,13 @@ def parse_query(
         raise ReportError("limit: must be an integer") from None
     if not 1 <= limit <= max_limit:
         raise ReportError(f"limit: must be within 1..{max_limit} for bucket_width {width}")
-    start = _snap(_parse_time("starting_at", multi["starting_at"][-1]), width)
+    start = _snap(parse_time("starting_at", multi["starting_at"][-1]), width)
     if multi.get("page"):
-        start = _decode_page(multi["page"][-1])
-    now = datetime.now(UTC)
-    end = _parse_time("ending_at", multi["ending_at"][-1]) if multi.get("ending_at") else None
+        start = _decode_page(multi["page"][-1], width)
+    end = parse_time("ending_at", multi["ending_at"][-1]) if multi.get("ending_at") else None
     if end is None:
         # No end: up to and including the bucket that holds "now".
-        end = _snap(now, width) + timedelta(seconds=WIDTHS[width])
+        end = _snap(datetime.now(UTC), width) + timedelta(seconds=WIDTHS[width])
     if end <= start:
         raise ReportError("ending_at: must be after starting_at")
     return ReportQuery(
@@ -136,23 +184,28 @@ def parse_query(
 
 
 def _buckets(q: ReportQuery) -> tuple[list[datetime], bool]:
-    step = timedelta(seconds=WIDTHS[q.width])
+    """The page's bucket starts (each bucket ends at or before ``q.end``), and whether
+    another bucket follows. In integer seconds: see EPOCH."""
+    step = WIDTHS[q.width]
+    end = _secs(q.end)
+    t = _secs(q.start)
     out: list[datetime] = []
-    t = q.start
-    while t + step <= q.end and len(out) < q.limit:
-        out.append(t)
+    while t + step <= end and len(out) < q.limit:
+        out.append(_at(t))
         t += step
-    return out, t + step <= q.end
+    return out, t + step <= end
 
 
 def _rows(session: Session, q: ReportQuery, starts: list[datetime], groups: tuple[str, ...]):
     secs = WIDTHS[q.width]
-    bucket = (UsageRecord.created_s - UsageRecord.created_s % secs).label("bucket")
+    # NOTE: SQL's % truncates towards zero (SQLite and PostgreSQL alike); the second %
+    # floors it as _snap does, so a row before 1970 falls in its own bucket too.
+    bucket = (UsageRecord.created_s - (UsageRecord.created_s % secs + secs) % secs).label("bucket")
     cols = [getattr(UsageRecord, g) for g in groups]
     sums = [func.sum(getattr(UsageRecord, f)).label(f) for f in TOKEN_FIELDS]
     sums.append(func.sum(UsageRecord.cost_micros).label("cost_micros"))
-    lo = int(starts[0].timestamp())
-    hi = int(starts[-1].timestamp()) + secs
+    lo = _secs(starts[0])
+    hi = _secs(starts[-1]) + secs
     stmt = (
         select(bucket, *cols, *sums)
         .where(UsageRecord.org_id == q.org_id)
@@ -172,17 +225,14 @@ def _rows(session: Session, q: ReportQuery, starts: list[datetime], groups: tupl
     return session.execute(stmt).all()
 
 
-def _iso(t: datetime) -> str:
-    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def _page(q: ReportQuery, starts: list[datetime], has_more: bool, results: dict[int, list[Any]]):
     step = timedelta(seconds=WIDTHS[q.width])
     data = [
         {
-            "starting_at": _iso(s),
-            "ending_at": _iso(s + step),
-            "results": results.get(int(s.timestamp()), []),
+            "starting_at": rfc3339(s),
+            # NOTE: within range: _buckets keeps only buckets that end by q.end.
+            "ending_at": rfc3339(s + step),
+            "results": results.get(_secs(s), []),
         }
         for s in starts
     ]
@@ -297,11 +347,11 @@ def spend(session: Session, q: ReportQuery, price_of: Any, total: bool = False) 
         return []
     groups = q.group_by
     rows = _rows(session, q, starts, (*groups, *(() if "model" in groups else ("model",))))
-    first = _iso(starts[0])
+    first = rfc3339(starts[0])
     out: dict[tuple[Any, ...], SpendRow] = {}
     for row in rows:
         m = row._mapping
-        start = first if total else _iso(datetime.fromtimestamp(int(m["bucket"]), UTC))
+        start = first if total else rfc3339(_at(int(m["bucket"])))
         key = (start, *(m[g] for g in groups))
         tokens = {f: int(m[f]) for f in TOKEN_FIELDS}
         b = Buckets(*(tokens[f] for f in TOKEN_FIELDS))

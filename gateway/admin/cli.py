@@ -19,6 +19,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
@@ -36,6 +37,7 @@ from ..reports import (
     WIDTHS,
     ReportError,
     parse_query,
+    parse_time,
     spend,
     usd,
 )
@@ -50,10 +52,41 @@ from ..tenants import (
     revoke_key,
     set_policy,
 )
+from .safe_text import csv_text, visible
 
 # NOTE: piped into a script there is no terminal width; never truncate an id there.
 out = Console(width=None if Console().is_terminal else 200)
 err = Console(stderr=True, width=200)
+
+
+# ------------------------------------------------------------------ output
+# NOTE: names, ids, models and metadata.user_id come from tenants and operators. Rich
+# reads a str as console markup ("[link=...]" writes a terminal hyperlink, an unbalanced
+# "[/b]" raises) and emoji codes, and passes escape sequences through; so every such
+# text goes out as a Text (no markup) with its control characters made visible.
+
+
+def _safe(value: object) -> Text:
+    return Text(visible(str(value)))
+
+
+def _say(message: str, console: Console | None = None) -> None:
+    """Print one line that may hold stored or typed names (on ``out`` by default)."""
+    (console or out).print(_safe(message))
+
+
+def _table(*cols: str, title: str | None = None) -> Table:
+    return Table(*cols, title=None if title is None else _safe(title))
+
+
+def _add_row(t: Table, *cells: object) -> None:
+    """A row of any values, each shown as escaped plain text."""
+    t.add_row(*(_safe(c) for c in cells))
+
+
+def _minute(t: datetime) -> str:
+    """To the minute, year in four digits (see reports.rfc3339 for why not strftime)."""
+    return f"{t.year:04d}-{t.month:02d}-{t.day:02d} {t.hour:02d}:{t.minute:02d}"
 
 
 def _usd_per_mtok(text: str) -> int:
@@ -97,22 +130,23 @@ def _mult(text: str) -> str:
 def cmd_orgs_create(s: Session, a: argparse.Namespace) -> None:
     org = create_org(s, a.name)
     s.commit()
-    out.print(org.id if a.quiet else f"created org {org.name} ({org.id})")
+    _say(org.id if a.quiet else f"created org {org.name} ({org.id})")
 
 
 def cmd_orgs_list(s: Session, a: argparse.Namespace) -> None:
     from ..db.models import Org
 
-    t = Table("id", "name", "global scope", "allow-list", "retained share", "created")
+    t = _table("id", "name", "global scope", "allow-list", "retained share", "created")
     for org in s.scalars(select(Org).order_by(Org.created_at)):
         n = len([d for d in org.global_allowlist.split("\n") if d])
-        t.add_row(
+        _add_row(
+            t,
             org.id,
             org.name,
             "allowed" if org.allow_global_scope else "off",
             str(n) if n else "any",
             "default" if org.retained_share is None else f"{org.retained_share:g}",
-            org.created_at.strftime("%Y-%m-%d %H:%M"),
+            _minute(org.created_at),
         )
     out.print(t)
 
@@ -122,7 +156,7 @@ def cmd_orgs_set_policy(s: Session, a: argparse.Namespace) -> None:
     set_policy(s, org, allow_global=a.allow_global_scope, allowlist=a.allow_prefix)
     s.commit()
     state = "allowed" if org.allow_global_scope else "off"
-    out.print(f"org {org.name}: global scope {state}")
+    _say(f"org {org.name}: global scope {state}")
 
 
 def cmd_orgs_set_retention(s: Session, a: argparse.Namespace) -> None:
@@ -130,20 +164,20 @@ def cmd_orgs_set_retention(s: Session, a: argparse.Namespace) -> None:
     org.retained_share = a.share
     s.commit()
     share = "the replicas' default" if a.share is None else f"{a.share:g}"
-    out.print(f"org {org.name}: retained share {share}")
+    _say(f"org {org.name}: retained share {share}")
 
 
 def cmd_workspaces_create(s: Session, a: argparse.Namespace) -> None:
     ws = create_workspace(s, get_org(s, a.org), a.name)
     s.commit()
-    out.print(ws.id if a.quiet else f"created workspace {ws.name} ({ws.id})")
+    _say(ws.id if a.quiet else f"created workspace {ws.name} ({ws.id})")
 
 
 def cmd_workspaces_list(s: Session, a: argparse.Namespace) -> None:
     org = get_org(s, a.org)
-    t = Table("id", "name", "created")
+    t = _table("id", "name", "created")
     for ws in s.scalars(select(Workspace).where(Workspace.org_id == org.id)):
-        t.add_row(ws.id, ws.name, ws.created_at.strftime("%Y-%m-%d %H:%M"))
+        _add_row(t, ws.id, ws.name, _minute(ws.created_at))
     out.print(t)
 
 
@@ -156,16 +190,17 @@ def cmd_keys_create(s: Session, a: argparse.Namespace) -> None:
         print(raw)
         return
     kind = "admin key" if a.admin else "API key"
-    out.print(f"created {kind} {key.id} for {org.name}")
+    _say(f"created {kind} {key.id} for {org.name}")
     out.print(f"[bold]{raw}[/bold]")
     out.print("Store it now: it is not shown again.")
 
 
 def cmd_keys_list(s: Session, a: argparse.Namespace) -> None:
     org = get_org(s, a.org)
-    t = Table("id", "name", "kind", "workspace", "ends with", "state")
+    t = _table("id", "name", "kind", "workspace", "ends with", "state")
     for k in s.scalars(select(ApiKey).where(ApiKey.org_id == org.id).order_by(ApiKey.created_at)):
-        t.add_row(
+        _add_row(
+            t,
             k.id,
             k.name,
             "admin" if k.is_admin else "api",
@@ -179,7 +214,7 @@ def cmd_keys_list(s: Session, a: argparse.Namespace) -> None:
 def cmd_keys_revoke(s: Session, a: argparse.Namespace) -> None:
     key = revoke_key(s, a.key_id)
     s.commit()
-    out.print(f"revoked {key.id}")
+    _say(f"revoked {key.id}")
 
 
 def _upsert_price(s: Session, model: str, p: dict[str, Any]) -> None:
@@ -205,7 +240,7 @@ def cmd_prices_set(s: Session, a: argparse.Namespace) -> None:
         },
     )
     s.commit()
-    out.print(f"price set for {a.model}")
+    _say(f"price set for {a.model}")
 
 
 def cmd_prices_load(s: Session, a: argparse.Namespace) -> None:
@@ -233,9 +268,10 @@ def cmd_prices_load(s: Session, a: argparse.Namespace) -> None:
 
 
 def cmd_prices_list(s: Session, a: argparse.Namespace) -> None:
-    t = Table("model", "input $/MTok", "output $/MTok", "write 5m", "write 1h", "read")
+    t = _table("model", "input $/MTok", "output $/MTok", "write 5m", "write 1h", "read")
     for p in s.scalars(select(ModelPrice).order_by(ModelPrice.model)):
-        t.add_row(
+        _add_row(
+            t,
             p.model,
             str(Decimal(p.input_per_mtok) / 1_000_000),
             str(Decimal(p.output_per_mtok) / 1_000_000),
@@ -264,7 +300,7 @@ def cmd_models_alias(s: Session, a: argparse.Namespace) -> None:
     row.model = target
     s.add(row)
     s.commit()
-    out.print(
+    _say(
         f"alias {name} -> {target}; gateways pick it up within auth_cache_seconds (5 s by default)"
     )
 
@@ -281,27 +317,31 @@ def cmd_models_unalias(s: Session, a: argparse.Namespace) -> None:
         raise TenantError(f"no alias {a.alias!r} in the database{where}")
     s.delete(row)
     s.commit()
-    out.print(f"removed alias {a.alias}")
+    _say(f"removed alias {a.alias}")
 
 
 def cmd_models_list(s: Session, a: argparse.Namespace) -> None:
     gs = _gateway_settings()
     table = {k: (v, "settings") for k, v in (gs.model_aliases if gs else {}).items()}
     table.update({k: (v, "database") for k, v in aliases.load(s).items()})
-    t = Table("alias", "served model", "kind", "source")
+    t = _table("alias", "served model", "kind", "source")
     for name in sorted(table, key=lambda n: (n == "*", n.endswith("*"), n)):
         kind = "default" if name == "*" else "prefix" if name.endswith("*") else "name"
-        t.add_row(name, table[name][0], kind, table[name][1])
+        _add_row(t, name, table[name][0], kind, table[name][1])
     out.print(t)
     if gs is not None:
-        out.print(f"served models (gateway settings): {', '.join(gs.models)}")
+        _say(f"served models (gateway settings): {', '.join(gs.models)}")
 
 
 def _since(text: str) -> str:
     """'7d', '24h', '30m' ago, or an RFC 3339 timestamp."""
     units = {"d": "days", "h": "hours", "m": "minutes"}
-    if text[:-1].isdigit() and text[-1] in units:
-        t = datetime.now(UTC) - timedelta(**{units[text[-1]]: int(text[:-1])})
+    # NOTE: isascii too: str.isdigit() is true of "²", which int() refuses.
+    if text[:-1].isascii() and text[:-1].isdigit() and text[-1] in units:
+        try:
+            t = datetime.now(UTC) - timedelta(**{units[text[-1]]: int(text[:-1])})
+        except OverflowError:
+            raise TenantError(f"--since: {text!r} reaches back before year 1") from None
         return t.isoformat()
     return text
 
@@ -313,12 +353,13 @@ def cmd_usage(s: Session, a: argparse.Namespace) -> None:
     if limit is None and not a.until:
         # Show every bucket from --since up to the one holding now, within the page cap.
         try:
-            start = datetime.fromisoformat(since.replace("Z", "+00:00"))
-        except ValueError:
-            raise TenantError(f"--since: not a duration or timestamp: {a.since!r}") from None
+            start = parse_time("--since", since)
+        except ReportError as exc:
+            raise TenantError(f"{exc} (or a duration: 7d, 24h, 30m)") from None
         width = WIDTHS[a.bucket]
         span = (datetime.now(UTC) - start).total_seconds()
-        limit = min(int(span // width) + 2, LIMITS[a.bucket][1])
+        # NOTE: at least 1: a --since in the future is the "ending_at" error, not "limit".
+        limit = max(1, min(int(span // width) + 2, LIMITS[a.bucket][1]))
     params = [("starting_at", since), ("bucket_width", a.bucket)]
     params += [("limit", str(limit))] if limit else []
     params += [("ending_at", a.until)] if a.until else []
@@ -354,6 +395,9 @@ def cmd_usage(s: Session, a: argparse.Namespace) -> None:
         "uncached_usd",
         "saved_usd",
     ]
+    # NOTE: the first 1 + len(groups) cells are text (a tenant's user_id among them);
+    # the rest are numbers this command writes, which CSV must keep as numbers.
+    texts = 1 + len(groups)
     rows = [
         [
             r.starting_at,
@@ -368,11 +412,11 @@ def cmd_usage(s: Session, a: argparse.Namespace) -> None:
     if a.csv:
         w = csv.writer(sys.stdout)
         w.writerow(cols)
-        w.writerows(rows)
+        w.writerows([*(csv_text(str(c)) for c in row[:texts]), *row[texts:]] for row in rows)
         return
-    t = Table(*cols, title=f"usage of {org.name}")
+    t = _table(*cols, title=f"usage of {org.name}")
     for row in rows:
-        t.add_row(*(str(x) for x in row))
+        _add_row(t, *row)
     out.print(t)
     starts = (q.end - q.start).total_seconds() // WIDTHS[q.width]
     if starts > q.limit:
@@ -531,13 +575,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine = make_engine(args.db)
         upgrade(engine)
     except OperationalError as exc:
-        err.print(f"cachepoint-admin: cannot open database {args.db}: {exc.orig}")
+        _say(f"cachepoint-admin: cannot open database {args.db}: {exc.orig}", err)
         return 2
     try:
         with make_sessionmaker(engine)() as session:
             args.fn(session, args)
     except TenantError as exc:
-        err.print(f"cachepoint-admin: {exc}")
+        _say(f"cachepoint-admin: {exc}", err)
         return 1
     finally:
         engine.dispose()

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import subprocess
 import sys
+import unicodedata
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+
+import pytest
 
 from cachepoint.gateway.db.session import make_engine, make_sessionmaker
 from cachepoint.gateway.tenants import authenticate
@@ -150,3 +157,163 @@ def test_admin_cli_set_retention(tmp_path, capsys):
     assert code == 0
     assert "--share" in help_text
     assert "billed as plain input" in " ".join(help_text.split())
+
+
+# ------------------------------------------------- untrusted text (issue 29, finding 4)
+
+HOSTILE_TERM = "\x1b[2J\x1b]0;title\x07"  # clear screen, set the window title
+HOSTILE_CSV = '=HYPERLINK("http://x","y")'
+PLAIN_USERS = ("alice", "José Ñúñez")
+T_USAGE = datetime(2026, 3, 1, 10, 0, tzinfo=UTC)
+
+
+def _control_chars(text: str) -> list[str]:
+    """C0 (bar the table's own newlines), DEL, C1 and the bidi controls in ``text``."""
+    bidi = {chr(c) for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A))}
+    return [ch for ch in text if ch != "\n" and (unicodedata.category(ch) == "Cc" or ch in bidi)]
+
+
+@pytest.fixture
+def cli(tmp_path, capsys, monkeypatch):
+    """`main` in process on a fresh database: cli(*args) -> (code, stdout, stderr).
+
+    NOTE: stdout gets a wide console, so no cell is wrapped across lines and a cell's
+    text can be looked for whole."""
+    from rich.console import Console
+
+    from cachepoint.gateway.admin import cli as module
+
+    monkeypatch.setattr(module, "out", Console(width=1000))
+    db = f"sqlite:///{tmp_path}/admin.db"
+
+    def run(*args: str) -> tuple[int, str, str]:
+        code = module.main(["--db", db, *args])
+        got = capsys.readouterr()
+        return code, got.out, got.err
+
+    run.db = db  # type: ignore[attr-defined]
+    return run
+
+
+def _bill_users(
+    db: str, org_name: str, users: tuple[str, ...], at: datetime = T_USAGE + timedelta(minutes=5)
+) -> None:
+    """One ledger row per user id, at ``at``, priced at 3/15 USD per MTok."""
+    from cachepoint.gateway.contract.billing import Price, buckets
+    from cachepoint.gateway.ledger import Attribution, Charge, record
+    from cachepoint.gateway.tenants import get_org
+
+    engine = make_engine(db)
+    with make_sessionmaker(engine)() as s:
+        org = get_org(s, org_name)
+        for i, user in enumerate(users):
+            charge = Charge(
+                f"req_{i}",
+                org.id,
+                None,
+                "apikey_x",
+                "cachepoint-tiny",
+                "r0",
+                "org",
+                buckets(1000, 0, 0, 0, 10 + i),
+                Attribution(user_id=user),
+            )
+            record(s, charge, Price(3_000_000, 15_000_000), at)
+    engine.dispose()
+
+
+def test_admin_cli_usage_escapes_tenant_user_ids(cli):
+    """A tenant's metadata.user_id reaches neither the operator's terminal (escape
+    sequences) nor a spreadsheet (formulas) as it is; ordinary ids are unchanged."""
+    assert cli("orgs", "create", "acme")[0] == 0
+    _bill_users(cli.db, "acme", (HOSTILE_TERM, HOSTILE_CSV, *PLAIN_USERS))
+    # A price now zero makes the report's uncached figure 0 and the saving negative:
+    # a number the CLI writes, which CSV must keep a number.
+    assert cli("prices", "set", "cachepoint-tiny", "--input", "0", "--output", "0")[0] == 0
+    window = ["--since", "2026-03-01T10:00:00Z", "--until", "2026-03-01T11:00:00Z"]
+    args = ["usage", "--org", "acme", *window, "--bucket", "1h", "--group-by", "user"]
+
+    code, table, err = cli(*args)
+    assert code == 0, err
+    assert _control_chars(table) == []
+    assert "\\x1b[2J\\x1b]0;title\\x07" in table  # shown, as text
+    assert HOSTILE_CSV in table  # a table is no spreadsheet: shown as it is
+    for user in PLAIN_USERS:
+        assert f" {user} " in table
+
+    code, out, err = cli(*args, "--csv")
+    assert code == 0, err
+    assert _control_chars(out.replace("\r\n", "\n")) == []
+    header, *rows = csv.reader(io.StringIO(out))
+    assert header[:2] == ["starting_at", "user_id"]
+    by_user = {row[1]: row for row in rows}
+    assert set(by_user) == {
+        "\\x1b[2J\\x1b]0;title\\x07",
+        "'" + HOSTILE_CSV,
+        *PLAIN_USERS,
+    }
+    for row in rows:
+        assert row[0] == "2026-03-01T10:00:00Z"
+        assert [int(n) for n in row[2:7]] == [1000, 0, 0, 0, int(row[6])]
+        cost, uncached, saved = (Decimal(x) for x in row[7:10])
+        assert uncached == 0
+        assert saved == -cost < 0
+        assert row[9].startswith("-")  # a negative number stays a number, unquoted
+
+
+def test_admin_cli_tables_escape_names(cli):
+    """Every table shows org, workspace, key and model names as plain escaped text: no
+    escape sequence, no bidi reordering, no rich markup (an unbalanced closing tag
+    raised MarkupError, a traceback)."""
+    org = "evil\u202eorg"
+    assert cli("orgs", "create", org)[0] == 0
+    assert cli("workspaces", "create", "--org", org, "ws\x1b[31mred")[0] == 0
+    assert cli("keys", "create", "--org", org, "--name", "[/b]key\x07", "--quiet")[0] == 0
+    model = "[link=http://evil]m[/link]\x1b[0m"
+    assert cli("prices", "set", model, "--input", "1", "--output", "2")[0] == 0
+    assert cli("models", "alias", "[/b]", model)[0] == 0
+
+    listings = {
+        "orgs": cli("orgs", "list"),
+        "workspaces": cli("workspaces", "list", "--org", org),
+        "keys": cli("keys", "list", "--org", org),
+        "prices": cli("prices", "list"),
+        "models": cli("models", "list"),
+    }
+    for name, (code, table, err) in listings.items():
+        assert code == 0, (name, err)
+        assert "Traceback" not in err
+        assert _control_chars(table) == [], name
+    assert "evil\\u202eorg" in listings["orgs"][1]
+    assert "ws\\x1b[31mred" in listings["workspaces"][1]
+    assert "[/b]key\\x07" in listings["keys"][1]
+    assert "[link=http://evil]m[/link]\\x1b[0m" in listings["prices"][1]
+    assert "[/b]" in listings["models"][1]
+    assert "[link=http://evil]m[/link]\\x1b[0m" in listings["models"][1]
+    # The messages that echo a name are escaped too.
+    code, said, _ = cli("orgs", "set-retention", org, "--share", "0.5")
+    assert code == 0
+    assert said.strip() == "org evil\\u202eorg: retained share 0.5"
+
+
+def test_admin_cli_dates_have_four_digit_years(cli):
+    """The usage table and CSV print year 1 as 0001 (RFC 3339), not "1" (issue 29,
+    finding 5); a --since that reaches before year 1 is a clear error, not a traceback."""
+    assert cli("orgs", "create", "acme")[0] == 0
+    year1 = datetime(1, 1, 1, tzinfo=UTC)
+    _bill_users(cli.db, "acme", ("alice",), at=year1 + timedelta(hours=1, minutes=5))
+    window = ["--since", "0001-01-01T00:00:00Z", "--until", "0001-01-02T00:00:00Z"]
+    args = ["usage", "--org", "acme", *window, "--bucket", "1h"]
+    code, out, err = cli(*args, "--csv")
+    assert code == 0, err
+    (row,) = list(csv.reader(io.StringIO(out)))[1:]
+    assert row[0] == "0001-01-01T01:00:00Z"  # its own hour, in four-digit years
+    assert int(row[5]) == 10
+    code, table, err = cli(*args)
+    assert code == 0, err
+    assert " 0001-01-01T01:00:00Z " in table
+    for since in ("9999999999d", "0001-01-01T00:00:00+01:00"):
+        code, _, err = cli("usage", "--org", "acme", "--since", since)
+        assert code == 1, since
+        assert "--since" in err
+        assert "Traceback" not in err
