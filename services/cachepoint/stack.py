@@ -37,6 +37,7 @@ from cachepoint.scheduler.model_source import (
 )
 from cachepoint.scheduler.random_model import RANDOM_CONTEXT, tokenizer_source
 
+from . import private
 from .credentials import StackCredentials
 from .supervise import Backoff, ChildEvent, Supervised, Supervisor
 
@@ -96,7 +97,7 @@ def _die_with_parent() -> None:
 def _popen(
     args: list[str], env: dict[str, str], log: Path, append: bool
 ) -> subprocess.Popen[bytes]:
-    fh: IO[bytes] = open(log, "ab" if append else "wb")  # noqa: SIM115 - the child owns it
+    fh: IO[bytes] = private.open_log(log, append)  # 0600; the child owns it
     try:
         # NOTE: a session of its own: a terminal's Ctrl-C reaches only `cachepoint up`,
         # which stops the children in order, rather than all of them at once (the
@@ -108,6 +109,9 @@ def _popen(
             env=env,
             preexec_fn=_die_with_parent,
             start_new_session=True,
+            # NOTE: what a child creates in the state folder (spans, the ledger's -wal
+            # and -shm) is its owner's only, as the stack's own files are.
+            umask=private.PRIVATE_UMASK,
         )
     finally:
         fh.close()
@@ -229,8 +233,9 @@ class Stack:
             if problem is not None:
                 raise StackError(f"--model-dir {problem}")
         binary = nats_binary()
-        for sub in ("logs", "traces"):
-            (self.state_dir / sub).mkdir(parents=True, exist_ok=True)
+        # NOTE: 0700, and an older run's files 0600: the ledger holds response bodies
+        # and key digests, the logs request lines (private.py).
+        private.prepare(self.state_dir, ("logs", "traces"))
         try:
             progress("starting nats-server")
             # NOTE: fresh secrets each start; NATS admits only these users, each to its
@@ -431,6 +436,7 @@ class Stack:
             time.sleep(0.1)
 
     def _seed_tenants(self) -> None:
+        private.touch(self.state_dir / "cachepoint.db")  # before SQLite makes it 0644
         engine = make_engine(self.db_url)
         upgrade(engine)
         try:

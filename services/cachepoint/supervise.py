@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
+from .private import open_log
+
 
 @dataclass(frozen=True, slots=True)
 class Backoff:
@@ -215,5 +217,5 @@ class Supervisor:
             self._log({"at": time.time(), "event": "report_error", "error": repr(exc)})
 
     def _log(self, line: dict[str, object]) -> None:
-        with self.log_path.open("a") as fh:
-            fh.write(json.dumps(line) + "\n")
+        with open_log(self.log_path, append=True) as fh:  # 0600, like the stack's files
+            fh.write((json.dumps(line) + "\n").encode())
