@@ -3,10 +3,11 @@ tokens the client was sent, and ends a broken stream with an SSE ``error`` event
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,7 +106,71 @@ def _event(kind: str, **data: Any) -> bytes:
 
 
 def respond(job: StreamJob) -> StreamingResponse:
-    return StreamingResponse(_relay(job), media_type="text/event-stream", headers=job.headers)
+    chunks = _relay(job)
+    interval = job.state.settings.sse_ping_interval_s
+    body = _with_pings(chunks, interval) if interval > 0 else chunks
+    return StreamingResponse(body, media_type="text/event-stream", headers=job.headers)
+
+
+PING = sse("ping", {"type": "ping"})
+
+
+async def _with_pings(chunks: AsyncIterator[bytes], interval_s: float) -> AsyncIterator[bytes]:
+    """``chunks``, plus an SSE ``ping`` whenever ``interval_s`` passes with nothing sent
+    (a replica slow to prefill, decode or finish), as Anthropic sends them: clients and
+    proxies that drop an idle connection keep this one. The SDKs skip pings.
+
+    NOTE: the relay runs in one task of its own for the whole stream (no task per
+    chunk) and hands each chunk over, then waits until this side has sent it: the relay
+    still resumes after a ``yield`` only once the server took the chunk, which its
+    billing counts on, and a wait that times out here never cancels its read of the
+    replica (a cancelled read would lose the line it was in)."""
+    handoff: asyncio.Queue[bytes | Exception | None] = asyncio.Queue(maxsize=1)
+    sent = asyncio.Event()  # set once the chunk handed over has gone out
+    # NOTE: the relay is stopped through an anyio scope, never task.cancel(): its
+    # ledger writes shield themselves with anyio, which a native cancel goes through.
+    scope = anyio.CancelScope()
+
+    async def pump() -> None:
+        with scope:
+            end: Exception | None = None
+            try:
+                async for chunk in chunks:
+                    handoff.put_nowait(chunk)  # the queue is empty: the last was taken
+                    await sent.wait()
+                    sent.clear()
+            except Exception as exc:  # the relay's own failure: raised on this side
+                end = exc
+            finally:
+                # NOTE: stopped (the client left) while the relay waits at a yield:
+                # closing it runs its finally, which bills what was sent.
+                if isinstance(chunks, AsyncGenerator):
+                    await chunks.aclose()
+            handoff.put_nowait(end)
+
+    task = asyncio.create_task(pump())
+    try:
+        timeout: float | None = None  # no ping before the first event (message_start)
+        while True:
+            try:
+                async with asyncio.timeout(timeout):
+                    item = await handoff.get()
+            except TimeoutError:
+                yield PING
+                continue
+            if item is None:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
+            sent.set()
+            timeout = interval_s
+    finally:
+        scope.cancel()  # a no-op once the relay ended
+        with anyio.CancelScope(shield=True):
+            await asyncio.wait({task})
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("stream relay failed while closing: %r", task.exception())
 
 
 async def _relay(job: StreamJob) -> AsyncIterator[bytes]:
