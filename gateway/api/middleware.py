@@ -1,6 +1,6 @@
 """The gateway's outer ASGI layer: a request id on every response, the body guard
-(size and read time), extra response headers that dependencies ask for, and the
-request log line. Plain ASGI, no buffering."""
+(size, read time, media type and encoding), extra response headers that dependencies
+ask for, and the request log line. Plain ASGI, no buffering."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from ..errors import envelope
 # scope["state"] key under which dependencies queue (name, value) response headers
 EXTRA_HEADERS = "cp_headers"
 _SNIFF_LIMIT = 65_536  # bytes of an error body kept to read its error type
+# Methods whose body the gateway reads: every such endpoint takes JSON.
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
 def new_request_id() -> str:
@@ -101,6 +103,31 @@ class _Response:
             self.error_body += chunk[: _SNIFF_LIMIT - len(self.error_body)]
 
 
+def unsupported_body(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """Why a request body's headers are refused with 415, or None to read it.
+
+    The content-type must be ``application/json`` or ``application/*+json``, with any
+    parameters (``; charset=utf-8``): what FastAPI parses as JSON. NOTE: a missing one
+    is refused too: FastAPI (strict_content_type) would not parse the body and the
+    client got a 400 about a "dictionary". A compressed body is refused, not decoded:
+    nothing is ever inflated, so a gzip bomb cannot cost memory; no SDK compresses."""
+    typed = False
+    for name, raw in headers:
+        if name == b"content-type":
+            typed = True
+            value = raw.decode("latin-1").strip()[:100]
+            media = value.partition(";")[0].strip().lower()
+            kind, _, subtype = media.partition("/")
+            if kind != "application" or not (subtype == "json" or subtype.endswith("+json")):
+                return f"content-type {value!r} is not supported; send application/json"
+        elif name == b"content-encoding":
+            value = raw.decode("latin-1").strip()[:100]
+            codings = [c.strip().lower() for c in value.split(",") if c.strip()]
+            if any(c != "identity" for c in codings):
+                return f"content-encoding {value!r} is not supported; send the body uncompressed"
+    return None if typed else "content-type is missing; send application/json"
+
+
 def _error_type(raw: bytes) -> str | None:
     try:
         body = json.loads(raw)
@@ -174,6 +201,11 @@ class RequestIdMiddleware:
                 msg = f"request body of {int(length)} bytes exceeds {self.max_body_bytes}"
                 await reply(413, "request_too_large", msg)
                 return
+            if scope.get("method") in _BODY_METHODS:
+                refused = unsupported_body(scope.get("headers", []))
+                if refused is not None:
+                    await reply(415, "invalid_request_error", refused)
+                    return
             try:
                 await self.app(scope, guard.receive, send_with_id)
             except BodyRejectedError:
