@@ -11,7 +11,7 @@ from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
 
 from cachepoint.telemetry import Telemetry, configure, instrument_server
 
-from .api import errors
+from .api import errors, openapi
 from .api.middleware import RequestIdMiddleware
 from .api.routes import admin, health, messages, models, reports
 from .bus import event_plane
@@ -103,6 +103,7 @@ def create_app(
                 if scrape is not None:
                     scrape.close()
                 await bus.stop()
+                app.state.gateway.intake.shutdown()
                 engine.dispose()
                 if telemetry is None:
                     tel.shutdown()
@@ -120,6 +121,7 @@ def create_app(
         openapi_url="/openapi.json" if docs else None,
     )
     errors.install(app)
+    openapi.install(app)
     for module in (messages, models, reports, admin, health):
         app.include_router(module.router)
     app.add_middleware(

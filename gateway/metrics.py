@@ -111,6 +111,24 @@ class GatewayMetrics:
             buckets=_SLOW,
             registry=self.registry,
         )
+        self.count_tokens = Counter(
+            "cachepoint_gateway_count_tokens",
+            "count_tokens requests by outcome (ok, invalid, rate_limited)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.intake_seconds = Histogram(
+            "cachepoint_gateway_intake_seconds",
+            "Time in intake threads (parse, render, tokenize) by step",
+            ["step"],
+            buckets=_FAST + _SLOW[7:],
+            registry=self.registry,
+        )
+        self.intake_refused = Counter(
+            "cachepoint_gateway_intake_refused",
+            "Requests refused because their org's intake share and queue were full",
+            registry=self.registry,
+        )
 
     def watch_plane(self, read: Callable[[], dict[str, Any]]) -> None:
         self.registry.register(_PlaneCollector(read))

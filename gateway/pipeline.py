@@ -11,6 +11,7 @@ from typing import Any
 
 from .contract.billing import BillingError, Buckets, buckets
 from .contract.breakpoints import CachePlan, ContractError, resolve
+from .contract.encoding import PromptTooLong
 from .contract.render import RenderedPrompt, Renderer
 from .contract.toolcalls import NO_FORCING, Forcing, forcing
 from .errors import ApiError, invalid
@@ -59,13 +60,36 @@ def plan_cache(
         raise invalid(str(exc)) from exc
 
 
-def render_prompt(req: Any, renderer: Renderer) -> tuple[RenderedPrompt, Forcing]:
-    """The prompt the replica gets (what count_tokens counts), and the forcing in it."""
+# NOTE: tokenizing stops once a prompt has this many times the model's window: up to
+# there count_tokens and the context-limit 400 report the exact length (Claude Code reads
+# the numbers); past it the 400 gives the count reached, a floor (contract/encoding.py).
+COUNT_LIMIT_WINDOWS = 2
+
+
+def count_limit(settings: GatewaySettings, model: str) -> int:
+    """The most tokens rendering counts for ``model`` before it gives up."""
+    return COUNT_LIMIT_WINDOWS * profile_of(settings, model).context_window
+
+
+def render_prompt(
+    req: Any, renderer: Renderer, limit: int | None = None
+) -> tuple[RenderedPrompt, Forcing]:
+    """The prompt the replica gets (what count_tokens counts), and the forcing in it.
+    Past ``limit`` tokens, a 400 as soon as that is known, before tokenizing the rest."""
     try:
         forced = forcing(req)
     except ValueError as exc:
         raise invalid(str(exc)) from exc
-    rendered = renderer.render(req)
+    try:
+        rendered = renderer.render(req, limit)
+    except PromptTooLong as exc:
+        # NOTE: Anthropic's words for a prompt longer than the window; "at least":
+        # the count is where tokenizing stopped, not the whole prompt's length.
+        raise invalid(
+            f"prompt is too long: at least {exc.at_least} tokens > "
+            f"{exc.limit // COUNT_LIMIT_WINDOWS} maximum (tokenizing stopped at "
+            f"{COUNT_LIMIT_WINDOWS}x the context window)"
+        ) from exc
     if forced.prefix:
         # NOTE: after every block, so it is input the request pays for at 1x and never
         # part of a cached prefix; encoded on its own, like every segment.
@@ -117,7 +141,7 @@ def prepare(
     who: Attribution = NO_ATTRIBUTION,
 ) -> Prepared:
     check_thinking(req, betas)
-    rendered, forced = render_prompt(req, renderer)
+    rendered, forced = render_prompt(req, renderer, count_limit(settings, req.model))
     n = len(rendered)
     profile = profile_of(settings, req.model)
     max_tokens = output_room(n, req.max_tokens, profile.context_window, settings.clamp_max_tokens)

@@ -91,6 +91,7 @@ class Limits:
     org_input_tokens: int  # input and cache-write tokens per org
     key_requests: int  # requests per API key
     key_input_tokens: int  # input and cache-write tokens per API key
+    org_count_tokens: int = 0  # count_tokens requests per org (a budget of its own)
 
 
 @dataclass(slots=True)
@@ -151,6 +152,31 @@ class RateLimiter:
             wall = datetime.now(UTC)
             retry, reason = max(waits) if waits else (None, "")
             return Admission(_tightest(reqs, wall), _tightest(toks, wall), retry, reason)
+
+    def admit_count(self, org_id: str) -> Admission:
+        """count_tokens' own per-org request budget. NOTE: apart from messages' so that
+        a client counting before each call does not halve its message rate, but a
+        budget all the same: counting renders and tokenizes like a message does."""
+        limit = self.limits.org_count_tokens
+        if limit <= 0:
+            return Admission(None, None, None)
+        with self._lock:
+            now = self._now()
+            b = self._buckets.get(("cnt-org", org_id))
+            if b is None:
+                if len(self._buckets) >= _MAX_BUCKETS:
+                    self._forget_full(now)
+                b = self._buckets[("cnt-org", org_id)] = TokenBucket(limit, limit, now)
+            b.limit = limit
+            b.refill(now)
+            wall = datetime.now(UTC)
+            if b.level < 1.0:
+                retry = b.wait_for(1.0)
+                return Admission(
+                    _tightest([b], wall), None, retry, "count_tokens requests per minute"
+                )
+            b.level -= 1.0
+            return Admission(_tightest([b], wall), None, None)
 
     def spend_input(self, org_id: str, key_id: str, tokens: int) -> None:
         """Debit the input tokens a request was billed (input and cache writes)."""

@@ -244,6 +244,15 @@ class GatewaySettings(BaseSettings):
     key_input_tokens_per_minute: int = Field(0, ge=0, description="per API key; 0 = no limit")
     auth_cache_seconds: float = Field(5.0, ge=0, description="how long a key lookup is reused")
     upstream_timeout_s: float = Field(600.0, gt=0, description="replica call timeout")
+    idempotency_lease_s: float = Field(
+        15.0,
+        ge=1,
+        le=3600,
+        description=(
+            "lease of an idempotency key in flight, renewed every third of it while its "
+            "request runs; a retry takes over a key whose lease lapsed (its gateway died)"
+        ),
+    )
     api_docs: bool = Field(
         False, description="serve /docs, /redoc and /openapi.json; off = they are 404s"
     )
@@ -252,3 +261,39 @@ class GatewaySettings(BaseSettings):
         ge=0,
         description="a stream sends an SSE ping after this long without an event; 0 = none",
     )
+    # Request intake (issue 29): heavy work off the event loop, shared fairly.
+    intake_workers: int = Field(
+        4, ge=1, le=256, description="threads that parse, render and tokenize request bodies"
+    )
+    intake_org_share: int = Field(
+        2, ge=1, description="intake threads one org may use at once (keep below intake_workers)"
+    )
+    intake_org_bytes: int = Field(
+        64 * 2**20,
+        ge=1024,
+        description=(
+            "body bytes one org's requests in intake may declare at once (its first is "
+            "always let in; a body without content-length counts as max_body_bytes); "
+            "beyond, a 429 before the body is read"
+        ),
+    )
+    max_json_depth: int = Field(
+        64, ge=8, le=512, description="nesting of objects and arrays in a body (the body is 1)"
+    )
+    max_messages: int = Field(100_000, ge=1, description="entries in `messages`")
+    max_content_blocks: int = Field(
+        100_000, ge=1, description="content blocks in a body: system, messages, tool results"
+    )
+    max_tools: int = Field(10_000, ge=1, description="entries in `tools`")
+    org_count_tokens_per_minute: int = Field(
+        6_000, ge=0, description="count_tokens requests per org, its own budget; 0 = no limit"
+    )
+
+    @model_validator(mode="after")
+    def _intake(self) -> GatewaySettings:
+        if self.intake_workers > 1 and self.intake_org_share >= self.intake_workers:
+            raise ValueError(
+                f"intake_org_share {self.intake_org_share} must be below intake_workers "
+                f"{self.intake_workers}: one org could take every intake thread"
+            )
+        return self

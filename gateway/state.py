@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from . import requestlog
 from .contract.billing import Price, cost_micros
 from .contract.render import Renderer
+from .intake import BodyLimits, IntakePool
 from .ledger import Charge, price_for, record_on
 from .metrics import GatewayMetrics
 from .ratelimit import Limits, RateLimiter
@@ -29,6 +30,8 @@ class GatewayState:
     tracer: trace.Tracer = field(default_factory=trace.NoOpTracer)
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     limiter: RateLimiter = field(init=False)  # rate limits per org and key, from settings
+    intake: IntakePool = field(init=False)  # worker threads for parsing and rendering
+    body_limits: BodyLimits = field(init=False)  # caps on a body's shape, from settings
     # key hash -> (context or None, monotonic expiry): keeps auth off the DB per request
     _auth_cache: dict[str, tuple[KeyContext | None, float]] = field(default_factory=dict)
     # key hash -> monotonic time it was last forgotten (revoked or restored here): a
@@ -49,7 +52,12 @@ class GatewayState:
                 s.org_input_tokens_per_minute,
                 s.key_requests_per_minute,
                 s.key_input_tokens_per_minute,
+                s.org_count_tokens_per_minute,
             )
+        )
+        self.intake = IntakePool(s.intake_workers, s.intake_org_share, s.intake_org_bytes)
+        self.body_limits = BodyLimits(
+            s.max_json_depth, s.max_messages, s.max_content_blocks, s.max_tools
         )
 
     def models(self) -> list[str]:

@@ -30,3 +30,21 @@ async def admit(request: Request, state: StateDep, ctx: MessageCallerDep) -> Adm
 
 
 RateLimitDep = Annotated[Admission, Depends(admit)]
+
+
+async def admit_count(request: Request, state: StateDep, ctx: MessageCallerDep) -> Admission:
+    """count_tokens' own per-org budget (ratelimit.RateLimiter.admit_count), with the
+    same headers and 429 as messages."""
+    requestlog.note_caller(ctx)
+    admission = state.limiter.admit_count(ctx.org_id)
+    extra_headers(request.scope).extend(admission.headers())
+    if not admission.allowed:
+        state.metrics.count_tokens.labels("rate_limited").inc()
+        raise rate_limited(
+            f"This request would exceed your rate limit of {admission.reason} "
+            f"(per gateway); retry after the retry-after header's seconds"
+        )
+    return admission
+
+
+CountLimitDep = Annotated[Admission, Depends(admit_count)]

@@ -30,6 +30,7 @@ from ..schemas.messages import (
 )
 from . import context_edits
 from .deferred import expand_references, is_deferred
+from .encoding import encode_pieces
 
 if TYPE_CHECKING:
     from .context_edits import AppliedEdit
@@ -204,27 +205,34 @@ class Renderer:
             return [special]
         return self.tokenizer.encode("\n" if name == "sep" else f"\n<{name}>\n")
 
-    def render(self, request: RenderableRequest) -> RenderedPrompt:
+    def render(self, request: RenderableRequest, limit: int | None = None) -> RenderedPrompt:
         """The prompt for ``request``: its ``tool_reference`` blocks expanded
         (contract/deferred.py), then its ``context_management`` edits applied
         (contract/context_edits.py), then rendered. A ``context_management`` that
-        cannot be applied is a 400."""
+        cannot be applied is a 400. Past ``limit`` tokens, ``PromptTooLong`` as soon as
+        that is known (contract/encoding.py): tokenizing stops there."""
         request = expand_references(request)
+
+        def render(req: RenderableRequest) -> RenderedPrompt:
+            return self._render(req, limit)
+
         try:
-            edited = context_edits.apply(request, self._render)
+            edited = context_edits.apply(request, render)
         except context_edits.ContextEditError as exc:
             raise invalid(str(exc)) from exc
-        out = edited.rendered if edited.rendered is not None else self._render(edited.request)
+        out = edited.rendered if edited.rendered is not None else render(edited.request)
         if edited.applied is None:
             return out
         return RenderedPrompt(out.tokens, out.blocks, edited.applied)
 
-    def _render(self, request: RenderableRequest) -> RenderedPrompt:
+    def _render(self, request: RenderableRequest, limit: int | None = None) -> RenderedPrompt:
         if self.template is not None:
-            return self.template.render(request)
-        toks: list[int] = list(self._bos)
-        spans: list[BlockSpan] = []
-        enc = self.tokenizer.encode
+            return self.template.render(request, limit)
+        # NOTE: two passes: the blocks' texts are collected, then encoded in one bounded
+        # call (encoding.py), then laid out with their headers.
+        texts: list[str] = []
+        # (path, section, kind, cacheable, marker, header, index in texts or -1: skipped)
+        laid: list[tuple[str, Section, str, bool, Any, list[int], int]] = []
         sep = self._marks["sep"]
 
         def add(
@@ -236,16 +244,13 @@ class Renderer:
             cc: CacheControl | None,
             header: list[int],
         ) -> None:
-            toks.extend(header)
-            start = len(toks)
-            toks.extend(enc(text))
-            toks.extend(sep)
-            spans.append(BlockSpan(path, section, kind, start, len(toks), cacheable, cc))
+            laid.append((path, section, kind, cacheable, cc, header, len(texts)))
+            texts.append(text)
 
         def skip(path: str, section: Section, kind: str, cacheable: bool, cc: Any) -> None:
             # NOTE: a block that does not reach the prompt still has its span, empty,
             # where it stands: a breakpoint on it caches what precedes it.
-            spans.append(BlockSpan(path, section, kind, len(toks), len(toks), cacheable, cc))
+            laid.append((path, section, kind, cacheable, cc, [], -1))
 
         for i, tool in enumerate(request.tools or ()):
             if is_deferred(tool):  # never in the tools section (contract/deferred.py)
@@ -305,5 +310,17 @@ class Renderer:
                     [] if opened else role,
                 )
                 opened = True
+        encoded = encode_pieces(self.tokenizer, texts, limit)
+        toks: list[int] = list(self._bos)
+        spans: list[BlockSpan] = []
+        for path, section, kind, cacheable, cc, header, i in laid:
+            if i < 0:
+                spans.append(BlockSpan(path, section, kind, len(toks), len(toks), cacheable, cc))
+                continue
+            toks.extend(header)
+            start = len(toks)
+            toks.extend(encoded[i])
+            toks.extend(sep)
+            spans.append(BlockSpan(path, section, kind, start, len(toks), cacheable, cc))
         toks.extend(self._marks["assistant"])  # the generation prompt
         return RenderedPrompt(array("i", toks), tuple(spans))

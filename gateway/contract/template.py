@@ -36,6 +36,7 @@ from ..schemas.messages import (
     ToolUseBlock,
 )
 from .deferred import is_deferred
+from .encoding import encode_pieces
 from .render import (
     BlockSpan,
     RenderableRequest,
@@ -462,7 +463,8 @@ class TemplateRenderer:
             p += 1
         return n if p >= n else c
 
-    def render(self, request: RenderableRequest) -> RenderedPrompt:
+    def render(self, request: RenderableRequest, limit: int | None = None) -> RenderedPrompt:
+        """The prompt, or ``PromptTooLong`` once it is known to pass ``limit`` tokens."""
         conv = to_conversation(request)
         marked = self.render_text(conv)
         pattern = re.compile(f"{_MARK_OPEN}{conv.nonce}:([0-9]+){_MARK_CLOSE}")
@@ -487,12 +489,16 @@ class TemplateRenderer:
             bound = order[j + 1][1] if j + 1 < len(order) else len(s)
             cut_of[idx] = lower = max(lower, self._snap(s, c, lower, bound))
         cuts = sorted(set(cut_of.values()))
+        bounds = [*cuts, len(s)]
+        starts = [0, *bounds[:-1]]
+        pieces = [s[a:b] for a, b in zip(starts, bounds, strict=True) if b > a]
+        encoded = iter(encode_pieces(self.tokenizer, pieces, limit))
         tokens: list[int] = []
         at_cut: dict[int, int] = {}
         prev = 0
-        for c in [*cuts, len(s)]:
+        for c in bounds:
             if c > prev:
-                tokens.extend(self.tokenizer.encode(s[prev:c]))
+                tokens.extend(next(encoded))
             at_cut[c] = len(tokens)
             prev = max(prev, c)
 

@@ -7,6 +7,7 @@ import time
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 
@@ -15,11 +16,14 @@ from ...accounting import attribution_of, bill, charge_of
 from ...contract import context_edits, toolcalls
 from ...contract.render import degraded_headers
 from ...dispatch import generate, open_watched, pick
-from ...errors import envelope
+from ...errors import ApiError, envelope, rate_limited
+from ...intake import IntakeFull, read_body, trim_after
+from ...ledger import Attribution
 from ...pipeline import (
     Prepared,
     ReportLimits,
     buckets_of,
+    count_limit,
     plan_cache,
     prepare,
     render_prompt,
@@ -39,7 +43,8 @@ from ...tenants import KeyContext
 from ...tracing import render_attributes
 from ...upstream import RouteRequest
 from ..deps import BetasDep, MessageCallerDep, RequestIdDep, StateDep
-from ..limits import RateLimitDep
+from ..limits import CountLimitDep, RateLimitDep
+from ..openapi import request_body
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +67,53 @@ async def _resolved(state: GatewayState, body: _Body) -> _Body:
     return body if served == body.model else body.model_copy(update={"model": served})
 
 
-@router.post("/v1/messages", response_model=MessageResponse)
-async def create_message(
+async def _read(
+    request: Request, state: GatewayState, ctx: KeyContext, model: type[_Body]
+) -> _Body:
+    """The body, parsed, checked and validated in an intake thread (gateway/intake)."""
+    raw = await request.body()
+    try:
+        t0 = time.perf_counter()
+        body = await state.intake.run(ctx.org_id, read_body, raw, model, state.body_limits)
+        state.metrics.intake_seconds.labels("parse").observe(time.perf_counter() - t0)
+        return body
+    finally:
+        trim_after(len(raw))
+
+
+def _declared(request: Request, state: GatewayState) -> int:
+    """The body size a request declares; without a content-length, the most it may be."""
+    raw = request.headers.get("content-length", "")
+    return int(raw) if raw.isdigit() else state.settings.max_body_bytes
+
+
+def _intake_full(state: GatewayState) -> ApiError:
+    state.metrics.intake_refused.inc()
+    return rate_limited(
+        "too many of your organization's request bodies are being read and rendered at "
+        "once (intake_org_bytes); retry shortly"
+    )
+
+
+def _prepare_job(
     body: MessagesRequest,
+    ctx: KeyContext,
+    betas: set[str],
+    state: GatewayState,
+    rid: str,
+    who: Attribution,
+    keyed: bool,
+) -> tuple[Prepared, str | None]:
+    """Render, tokenize and plan (and the idempotency fingerprint): an intake job."""
+    prepared = prepare(body, ctx, betas, state.settings, state.renderer, rid, who)
+    digest = idempotency.fingerprint(body, betas) if keyed else None
+    return prepared, digest
+
+
+@router.post(
+    "/v1/messages", response_model=MessageResponse, openapi_extra=request_body(MessagesRequest)
+)
+async def create_message(
     request: Request,
     state: StateDep,
     ctx: MessageCallerDep,
@@ -73,33 +122,44 @@ async def create_message(
     _limit: RateLimitDep,
 ) -> Any:
     t_start = time.perf_counter()
-    requestlog.note_request(ctx, body.model, bool(body.stream))
-    server = trace.get_current_span()
-    server.set_attributes(
-        {
-            "cachepoint.request_id": rid,
-            "gen_ai.request.model": body.model,
-            "gen_ai.operation.name": "chat",
-            "cachepoint.org": ctx.org_id,
-        }
-    )
-    requested = body.model
-    body = await _resolved(state, body)
-    who = attribution_of(rid, request.headers, body, requested)
     key = idempotency.key_from(request)
-    with state.tracer.start_as_current_span("render") as span:
-        prepared = prepare(body, ctx, betas, state.settings, state.renderer, rid, who)
-        span.set_attributes(render_attributes(prepared.rendered, prepared.plan))
+    try:
+        async with state.intake.admitted(ctx.org_id, _declared(request, state)):
+            body = await _read(request, state, ctx, MessagesRequest)
+            requestlog.note_request(ctx, body.model, bool(body.stream))
+            server = trace.get_current_span()
+            server.set_attributes(
+                {
+                    "cachepoint.request_id": rid,
+                    "gen_ai.request.model": body.model,
+                    "gen_ai.operation.name": "chat",
+                    "cachepoint.org": ctx.org_id,
+                }
+            )
+            requested = body.model
+            body = await _resolved(state, body)
+            who = attribution_of(rid, request.headers, body, requested)
+            with state.tracer.start_as_current_span("render") as span:
+                t0 = time.perf_counter()
+                prepared, digest = await state.intake.run(
+                    ctx.org_id, _prepare_job, body, ctx, betas, state, rid, who, key is not None
+                )
+                state.metrics.intake_seconds.labels("render").observe(time.perf_counter() - t0)
+                span.set_attributes(render_attributes(prepared.rendered, prepared.plan))
+    except IntakeFull:
+        raise _intake_full(state) from None
     claim: idempotency.Claim | None = None
     if key is not None:
         got = await idempotency.begin(
             state.sessions.kw["bind"],
             ctx,
             key,
-            idempotency.fingerprint(body, betas),
+            digest or "",
             rid,
             state.settings.upstream_timeout_s,
             request.is_disconnected,
+            lease_s=state.settings.idempotency_lease_s,
+            bill_cut=state.bill,  # a crashed attempt's delivered part, when taken over
         )
         if isinstance(got, idempotency.Recorded):
             return got.response()
@@ -222,12 +282,40 @@ def _client_gone(state: GatewayState, rid: str, when: str) -> JSONResponse:
     return JSONResponse(envelope("api_error", "client disconnected", rid), 499)
 
 
-@router.post("/v1/messages/count_tokens", response_model=CountTokensResponse)
+def _count_job(
+    body: CountTokensRequest, ctx: KeyContext, betas: set[str], state: GatewayState
+) -> int:
+    """count_tokens' render and contract checks: an intake job."""
+    settings = state.settings
+    rendered, _ = render_prompt(body, state.renderer, count_limit(settings, body.model))
+    plan_cache(rendered, body, ctx, betas, settings)  # the same contract errors
+    return len(rendered)
+
+
+@router.post(
+    "/v1/messages/count_tokens",
+    response_model=CountTokensResponse,
+    openapi_extra=request_body(CountTokensRequest),
+)
 async def count_tokens(
-    body: CountTokensRequest, state: StateDep, ctx: MessageCallerDep, betas: BetasDep
+    request: Request,
+    state: StateDep,
+    ctx: MessageCallerDep,
+    betas: BetasDep,
+    _limit: CountLimitDep,
 ) -> CountTokensResponse:
-    requestlog.note_request(ctx, body.model, False)
-    body = await _resolved(state, body)
-    rendered, _ = render_prompt(body, state.renderer)
-    plan_cache(rendered, body, ctx, betas, state.settings)  # the same contract errors
-    return CountTokensResponse(input_tokens=len(rendered))
+    counted = state.metrics.count_tokens
+    try:
+        async with state.intake.admitted(ctx.org_id, _declared(request, state)):
+            body = await _read(request, state, ctx, CountTokensRequest)
+            requestlog.note_request(ctx, body.model, False)
+            body = await _resolved(state, body)
+            n = await state.intake.run(ctx.org_id, _count_job, body, ctx, betas, state)
+    except IntakeFull:
+        counted.labels("rate_limited").inc()
+        raise _intake_full(state) from None
+    except (ApiError, RequestValidationError):
+        counted.labels("invalid").inc()
+        raise
+    counted.labels("ok").inc()
+    return CountTokensResponse(input_tokens=n)

@@ -1,0 +1,10 @@
+"""Request intake: from the raw body to a validated request, off the event loop and
+bounded (issue 29). ``body`` parses and checks the JSON (sizes, depth, NaN), ``pool``
+runs heavy work (parsing, rendering, tokenizing, fingerprints) in worker threads with a
+per-org share, ``memory`` hands freed memory back to the OS after a large body."""
+
+from .body import BodyLimits, read_body
+from .memory import trim_after
+from .pool import IntakeFull, IntakePool
+
+__all__ = ["BodyLimits", "IntakeFull", "IntakePool", "read_body", "trim_after"]
