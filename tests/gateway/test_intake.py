@@ -5,6 +5,7 @@ overlong prompt, and count_tokens' own rate limit."""
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import httpx
@@ -182,7 +183,8 @@ def test_an_overlong_prompt_stops_tokenizing_and_says_so(gateway_for):
     )
 
 
-def test_count_tokens_has_its_own_rate_limit_with_headers(gateway_for):
+def test_count_tokens_has_its_own_rate_limit_with_headers(gateway_for, caplog):
+    caplog.set_level(logging.INFO, logger="cachepoint.requests")
     gw = gateway_for(Script(), org_count_tokens_per_minute=2)
     count = {"model": MODEL, "messages": MSGS}
     first = post(gw, count, "/v1/messages/count_tokens")
@@ -197,6 +199,18 @@ def test_count_tokens_has_its_own_rate_limit_with_headers(gateway_for):
     assert int(third.headers["retry-after"]) >= 1
     # Messages keep their own budget.
     assert post(gw, {"model": MODEL, "max_tokens": 4, "messages": MSGS}).status_code == 200
+    # Each count is in the request log, the refused one with its org and error type.
+    lines = [
+        r.fields  # type: ignore[attr-defined]
+        for r in caplog.records
+        if r.name == "cachepoint.requests" and r.fields["path"].endswith("count_tokens")  # type: ignore[attr-defined]
+    ]
+    assert [(x["status"], x["error_type"]) for x in lines] == [
+        (200, None),
+        (200, None),
+        (429, "rate_limit_error"),
+    ]
+    assert len({x["org"] for x in lines}) == 1 and lines[0]["org"]
 
 
 def test_the_openapi_document_describes_the_bodies(gateway_for):
