@@ -6,13 +6,13 @@ and the ledger.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .contract.billing import BillingError, Buckets, buckets
 from .contract.breakpoints import CachePlan, ContractError, resolve
 from .contract.encoding import PromptTooLong
-from .contract.render import RenderedPrompt, Renderer
+from .contract.render import RenderedPrompt, Renderer, degraded_headers
 from .contract.toolcalls import NO_FORCING, Forcing, forcing
 from .errors import ApiError, invalid
 from .ledger import NO_ATTRIBUTION, Attribution
@@ -29,6 +29,9 @@ class Prepared:
     payload: dict[str, Any]  # the replica's /v1/generate body
     forcing: Forcing = NO_FORCING  # the answer's forced opening (tool_choice any/tool)
     who: Attribution = NO_ATTRIBUTION  # session, user and requested model, for the ledger
+    # cachepoint-degraded header ({} when nothing was); found here, in the intake thread,
+    # because finding it walks every block
+    degraded: dict[str, str] = field(default_factory=dict)
 
 
 def tenant_key(ctx: KeyContext, settings: GatewaySettings) -> str:
@@ -170,7 +173,7 @@ def prepare(
         "retention_owner": f"org:{ctx.org_id}",
         "owner_retained_share": ctx.retained_share,
     }
-    return Prepared(rendered, plan, payload, forced, who)
+    return Prepared(rendered, plan, payload, forced, who, degraded_headers(req))
 
 
 class UsageReportError(ApiError):

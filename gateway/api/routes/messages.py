@@ -14,7 +14,6 @@ from opentelemetry import trace
 from ... import aliases, idempotency, requestlog, streaming
 from ...accounting import attribution_of, bill, charge_of
 from ...contract import context_edits, toolcalls
-from ...contract.render import degraded_headers
 from ...dispatch import generate, open_watched, pick
 from ...errors import ApiError, envelope, rate_limited
 from ...intake import IntakeFull, read_body, trim_after
@@ -202,7 +201,7 @@ async def _complete(
     if result is None:
         return _client_gone(state, rid, f"after {gen.output_tokens} output tokens")
     headers = {SCOPE_HEADER: prepared.plan.scope, REPLICA_HEADER: gen.replica}
-    headers |= degraded_headers(body)
+    headers |= prepared.degraded
     content, stop_reason, stop_sequence = _answer(body, result, prepared.forcing)
     msg = MessageResponse(
         id=f"msg_{rid.removeprefix('req_')}",
@@ -248,7 +247,7 @@ async def _stream(
             await claim.release()
         return _client_gone(state, rid, "while queued or prefilling")
     headers = {SCOPE_HEADER: prepared.plan.scope, REPLICA_HEADER: opened.replica.name}
-    headers |= degraded_headers(body)
+    headers |= prepared.degraded
     job = StreamJob(
         state, ctx, body, rid, prepared, limits, opened, headers, t_start, t_open, claim
     )
