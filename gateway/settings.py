@@ -280,9 +280,9 @@ class GatewaySettings(BaseSettings):
     max_json_depth: int = Field(
         64, ge=8, le=512, description="nesting of objects and arrays in a body (the body is 1)"
     )
-    max_messages: int = Field(100_000, ge=1, description="entries in `messages`")
+    max_messages: int = Field(20_000, ge=1, description="entries in `messages`")
     max_content_blocks: int = Field(
-        100_000, ge=1, description="content blocks in a body: system, messages, tool results"
+        20_000, ge=1, description="content blocks in a body: system, messages, tool results"
     )
     max_tools: int = Field(10_000, ge=1, description="entries in `tools`")
     org_count_tokens_per_minute: int = Field(

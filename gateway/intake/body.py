@@ -28,8 +28,8 @@ class BodyLimits:
     """Documented caps on a Messages body (docs/gateway.md, "Limits")."""
 
     max_depth: int = 64  # nesting of objects and arrays, the body itself being level 1
-    max_messages: int = 100_000  # entries in ``messages``
-    max_blocks: int = 100_000  # content blocks: system + messages + inside tool results
+    max_messages: int = 20_000  # entries in ``messages``
+    max_blocks: int = 20_000  # content blocks: system + messages + inside tool results
     max_tools: int = 10_000  # entries in ``tools``
 
 
