@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
 from fractions import Fraction
@@ -11,7 +12,8 @@ from sqlalchemy import Engine, insert
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from .contract.billing import Buckets, Price, cost_micros
+from .contract.billing import BillingError, Buckets, Price, cost_micros
+from .contract.billing import buckets as split_buckets
 from .db.models import ModelPrice, UsageRecord
 
 # NOTE: one prebuilt insert with bound parameters: a fresh .values() statement per
@@ -105,3 +107,46 @@ def _row(charge: Charge, price: Price, now: datetime | None) -> dict[str, object
         "session_id": charge.who.session_id,
         "user_id": charge.who.user_id,
     }
+
+
+def charge_to_json(charge: Charge) -> str:
+    """A charge as JSON, to be billed later by another process (a crashed stream's
+    progress on its idempotency row, billed by the retry that takes the key over)."""
+    return json.dumps(asdict(charge), separators=(",", ":"))
+
+
+def charge_from_json(raw: str) -> Charge:
+    """The charge `charge_to_json` wrote; ValueError if it is not one (every count a
+    non-negative int, every label a string)."""
+    try:
+        d = json.loads(raw)
+        b, who = d["buckets"], d["who"]
+        counts = [
+            b["input_tokens"],
+            b["cache_read_input_tokens"],
+            b["cache_write_5m_tokens"],
+            b["cache_write_1h_tokens"],
+            b["output_tokens"],
+        ]
+        if not all(type(n) is int for n in counts):
+            raise ValueError("token counts must be integers")
+        prompt = sum(counts[:4])
+        split = split_buckets(prompt, counts[1], counts[2], counts[3], counts[4])
+        labels = [d[k] for k in ("request_id", "org_id", "api_key_id", "model", "replica")]
+        optional = [d["workspace_id"], who["session_id"], who["user_id"], who["requested_model"]]
+        labelled = all(isinstance(x, str) for x in [*labels, d["scope"]])
+        if not labelled or not all(x is None or isinstance(x, str) for x in optional):
+            raise ValueError("labels must be strings")
+        return Charge(
+            d["request_id"],
+            d["org_id"],
+            d["workspace_id"],
+            d["api_key_id"],
+            d["model"],
+            d["replica"],
+            d["scope"],
+            split,
+            Attribution(who["session_id"], who["user_id"], who["requested_model"]),
+        )
+    except (KeyError, TypeError, BillingError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not a recorded charge: {exc!r}") from None

@@ -22,6 +22,7 @@ from .contract.toolcalls import Part, TextPart, ToolCallParser, offered
 from .dispatch import Opened, error_of, reject_report, stream_broke
 from .errors import ApiError, envelope
 from .idempotency import Claim
+from .ledger import Charge
 from .pipeline import Prepared, ReportLimits, UsageReportError, buckets_of, check_output, usage_of
 from .schemas.messages import MessagesRequest
 from .state import GatewayState
@@ -99,6 +100,24 @@ class _Blocks:
             return []
         self.text_open = False
         return [_event("content_block_stop", index=self.index)]
+
+
+def _track_progress(job: StreamJob, cache: Any, progress: _Progress) -> None:
+    """A keyed stream's charge so far (its input buckets, and the output tokens whose
+    text went out) is recorded on its idempotency row now and then at most once a
+    second: if this gateway dies mid-stream, the retry that takes the key over bills
+    the cut attempt from it, at most what was delivered, as a stream cut while this
+    gateway lives is billed here."""
+    claim = job.claim
+    if claim is None:
+        return
+    replica = job.opened.replica.name
+
+    def so_far() -> Charge:
+        b = buckets_of(cache, progress.delivered, job.limits)
+        return charge_of(job.rid, job.ctx, job.body, replica, job.prepared, b)
+
+    claim.track(so_far)
 
 
 def _event(kind: str, **data: Any) -> bytes:
@@ -212,6 +231,7 @@ async def _relay(job: StreamJob) -> AsyncIterator[bytes]:
 
     try:
         start_usage = usage_of(buckets_of(cache, 0, job.limits)).model_dump()
+        _track_progress(job, cache, progress)
         yield out(
             sse(
                 "message_start",

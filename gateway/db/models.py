@@ -125,7 +125,9 @@ class ModelAlias(Base):
 class IdempotencyRecord(Base):
     """A client's `idempotency-key` on POST /v1/messages: the first request's outcome,
     replayed to any retry with the same key and body for 24 h (expired rows are purged
-    lazily). ``status`` None means the first request is still in flight."""
+    lazily). ``status`` None means the first request is still in flight: its gateway
+    renews ``lease_until_s`` while it works, and a retry takes over a key whose lease
+    lapsed (its gateway died), billing the cut attempt from ``progress``."""
 
     __tablename__ = "idempotency_keys"
     __table_args__ = (Index("ix_idempotency_created", "created_s"),)
@@ -141,3 +143,9 @@ class IdempotencyRecord(Base):
     response: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     created_s: Mapped[int] = mapped_column(BigInteger)  # epoch seconds: expiry and purge
+    # Epoch seconds the owner's claim holds to while in flight; None: a row written by a
+    # gateway without leases (before 0005), which lapses an hour after ``created_s``.
+    lease_until_s: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # A keyed stream's charge so far (ledger.charge_to_json: input buckets, output tokens
+    # delivered), written at a bounded rate; None before its prefill and for JSON calls.
+    progress: Mapped[str | None] = mapped_column(Text, nullable=True)
