@@ -129,14 +129,14 @@ def charge_from_json(raw: str) -> Charge:
             b["output_tokens"],
         ]
         if not all(type(n) is int for n in counts):
-            raise ValueError("token counts must be integers")
+            raise TypeError("token counts must be integers")
         prompt = sum(counts[:4])
         split = split_buckets(prompt, counts[1], counts[2], counts[3], counts[4])
         labels = [d[k] for k in ("request_id", "org_id", "api_key_id", "model", "replica")]
         optional = [d["workspace_id"], who["session_id"], who["user_id"], who["requested_model"]]
         labelled = all(isinstance(x, str) for x in [*labels, d["scope"]])
         if not labelled or not all(x is None or isinstance(x, str) for x in optional):
-            raise ValueError("labels must be strings")
+            raise TypeError("labels must be strings")
         return Charge(
             d["request_id"],
             d["org_id"],
