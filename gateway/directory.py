@@ -1,5 +1,5 @@
 """The gateway's view of the fleet: one prefix index and one load record per replica,
-fed only by the replicas' events and heartbeats (DESIGN §4).
+fed only by the replicas' events and heartbeats (contract §4).
 
 Pure bookkeeping with no I/O: the NATS side (`bus.py`) feeds it and performs the
 snapshot requests it asks for, so every rule below is unit-testable.

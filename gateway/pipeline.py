@@ -206,7 +206,7 @@ def check_output(output_tokens: int, limits: ReportLimits) -> int:
 
 def buckets_of(cache: dict[str, Any], output_tokens: int, limits: ReportLimits) -> Buckets:
     """The replica's cache report is the only source; engine hits without a marker are
-    not reads (DESIGN §3). NOTE: the report is checked against what was sent, because
+    not reads (contract §3). NOTE: the report is checked against what was sent, because
     a replica (or something posing as one) is not trusted to bill: the prompt length
     must match, the cached buckets must fit in it, and output is capped by max_tokens."""
     try:

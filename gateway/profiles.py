@@ -14,7 +14,7 @@ class ModelProfile:
 
     # prompt + max_tokens limit, and /v1/models' max_input_tokens
     context_window: int
-    # breakpoints ending before this many tokens write no cache entry (DESIGN §3)
+    # breakpoints ending before this many tokens write no cache entry (contract §3)
     min_cacheable_tokens: int
     # sent to the replica: ids that end the turn besides the checkpoint's own EOS ids
     stop_token_ids: tuple[int, ...]

@@ -1,4 +1,4 @@
-"""Usage and cost reports in the shape of Anthropic's Admin API (DESIGN §3, Billing).
+"""Usage and cost reports in the shape of Anthropic's Admin API (contract §3, Billing).
 
 Rows are bucketed in SQL on integer epoch seconds, which SQLite and PostgreSQL both
 do the same way; every bucket in the window is returned, empty ones included.

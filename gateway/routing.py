@@ -1,4 +1,4 @@
-"""Cache-aware routing over the directory (DESIGN §4): hash the prompt with the same
+"""Cache-aware routing over the directory (contract §4): hash the prompt with the same
 kvcore code and keys the replica will use, then let the configured policy choose
 among the replicas that serve the request's (alias-resolved) model."""
 

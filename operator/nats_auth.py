@@ -47,7 +47,7 @@ def new_password() -> str:
 
 
 def replica_permissions(user: str) -> dict[str, Any]:
-    """A replica may speak only under its own name (DESIGN: NATS permissions)."""
+    """A replica may speak only under its own name (contract §4, NATS permissions)."""
     return {
         "publish": {"allow": [f"cachepoint.kv.{user}", f"cachepoint.replica.heartbeat.{user}"]},
         "subscribe": {"allow": [f"cachepoint.kv.snapshot.{user}"]},

@@ -1,4 +1,4 @@
-"""The three token buckets and their cost, in integer micro-dollars (DESIGN §3, Billing)."""
+"""The three token buckets and their cost, in integer micro-dollars (contract §3, Billing)."""
 
 from __future__ import annotations
 

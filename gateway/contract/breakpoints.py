@@ -1,4 +1,4 @@
-"""Resolve `cache_control` markers into breakpoints, scope and cache keys (DESIGN §3)."""
+"""Resolve `cache_control` markers into breakpoints, scope and cache keys (contract §3)."""
 
 from __future__ import annotations
 

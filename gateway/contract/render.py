@@ -1,6 +1,6 @@
 """Canonical rendering of a Messages request into tokens, with one span per content block.
 
-Order is fixed: tools, then system, then messages (DESIGN §3). Each piece is encoded
+Order is fixed: tools, then system, then messages (contract §3). Each piece is encoded
 on its own and concatenated, so the same request always gives the same tokens, and
 a content block's span is exact: a breakpoint is simply the end of its block's span.
 """

@@ -336,7 +336,7 @@ class ModelConfig:
 class EngineConfig:
     """Runtime settings of one replica's engine (not part of the model's identity)."""
 
-    block_size: int = 16  # tokens per KV block (DESIGN §3)
+    block_size: int = 16  # tokens per KV block (contract §3)
     device: str = "auto"  # "auto" (CUDA when available), "cpu", "cuda", "cuda:N"
     dtype: str = "auto"  # compute + KV dtype; auto = float32 on CPU, bfloat16 on CUDA
     kv_cache_bytes: int = 256 * 2**20  # KV budget per rank on the CPU

@@ -1,4 +1,4 @@
-"""NATS subjects (DESIGN §4). Replica names are single subject tokens."""
+"""NATS subjects (contract §4). Replica names are single subject tokens."""
 
 from __future__ import annotations
 

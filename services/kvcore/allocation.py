@@ -33,7 +33,7 @@ class Allocation:
     Write-then-publish: the blocks this request fills enter the hash index only in
     `commit()`, after the forward pass that filled them succeeded. Until then no
     other request can hit them and no `stored` event exists, so a failed forward
-    leaves nothing visible behind (DESIGN §3).
+    leaves nothing visible behind (contract §3).
     """
 
     __slots__ = (

@@ -11,7 +11,7 @@ from .hashing import BlockHash
 class KVBlock:
     """Metadata for one physical block of ``block_size`` token slots.
 
-    States (DESIGN §3): *active* when ``ref_cnt > 0``; *cached-free* when
+    States (contract §3): *active* when ``ref_cnt > 0``; *cached-free* when
     ``ref_cnt == 0`` and ``block_hash`` is set (hittable); *empty* when ``ref_cnt == 0``
     and ``block_hash is None`` (free memory).
     """

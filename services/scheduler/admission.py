@@ -125,7 +125,7 @@ def write_entries(manager: KVCacheManager, cp: CachePlan) -> None:
 
 def written_tokens(cp: CachePlan) -> tuple[int, int]:
     """(5m, 1h) written tokens: with A the hit, B the last 1h write, C the last write,
-    1h = B - A and 5m = C - max(A, B) (DESIGN §3, Billing)."""
+    1h = B - A and 5m = C - max(A, B) (contract §3, Billing)."""
     a = cp.entry_hit_tokens
     if not cp.written:
         return 0, 0

@@ -1,4 +1,4 @@
-"""The replica's side of the event plane (DESIGN §4): kv event batches, heartbeats and
+"""The replica's side of the event plane (contract §4): kv event batches, heartbeats and
 snapshots over NATS.
 
 Losing NATS never stops serving: batches published while it is unreachable are

@@ -15,7 +15,7 @@ class _Strict(BaseModel):
 
 
 class KeySpanIn(_Strict):
-    """Extra keys from ``start_block`` on (DESIGN §3: global prefix, then org blocks)."""
+    """Extra keys from ``start_block`` on (contract §3: global prefix, then org blocks)."""
 
     start_block: int = Field(ge=0)
     extra_keys: list[str] = Field(max_length=16)

@@ -1,4 +1,4 @@
-"""The bill of a simulated request: DESIGN §3's three input buckets, priced."""
+"""The bill of a simulated request: contract §3's three input buckets, priced."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from .trace import Breakpoint
 
 @dataclass(frozen=True, slots=True)
 class PriceTable:
-    """Dollars per million tokens, and the cache multipliers of DESIGN §3."""
+    """Dollars per million tokens, and the cache multipliers of contract §3."""
 
     input_per_mtok: float = 3.0  # plain input (an 8B-class model priced like a mid-tier API)
     output_per_mtok: float = 15.0  # generated tokens
@@ -75,7 +75,7 @@ def usage_for(
     after it writes from the previous boundary up to itself, at its own TTL, unless
     its write was refused (``written`` False), in which case that span is plain
     input. Everything after the last breakpoint is input. Since a 1h marker may
-    not follow a 5m one, this is DESIGN §3's "1h write is B−A, 5m write is C−B".
+    not follow a 5m one, this is contract §3's "1h write is B−A, 5m write is C−max(A, B)".
     """
     usage = Usage(output_tokens=output_length, cache_read_input_tokens=read_tokens)
     at = read_tokens

@@ -26,7 +26,7 @@ from cachepoint.kvcore import TTL_SECONDS, BlockHash
 TRACE_FORMAT = "cachepoint-trace"  # the header's "format" value
 TRACE_VERSION = 1  # the header's "version" value this code reads and writes
 MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash id in Mooncake's traces
-MAX_BREAKPOINTS = 4  # DESIGN §3: a fifth cache_control marker is a 400
+MAX_BREAKPOINTS = 4  # contract §3: a fifth cache_control marker is a 400
 
 
 class TraceError(ValueError):

@@ -3,7 +3,7 @@
 vLLM keys a prefix by ``cache_salt`` on its *first* block only; every later block
 inherits it through the chained hash. So vLLM can express "these keys for the whole
 prompt" and nothing finer. Cachepoint's key spans can say more: a global prefix
-(shared by every tenant) followed by org-keyed blocks (DESIGN §3, Scope). There are
+(shared by every tenant) followed by org-keyed blocks (contract §3, Scope). There are
 two ways to fold that into one salt, and only one keeps isolation:
 
 - salt with the org's keys: every block, the global prefix included, is org-private.
