@@ -72,9 +72,15 @@ vllm: $(VLLM_STAMP)  ## create .venv-vllm: vLLM (CPU build) for cachepoint-repli
 run: $(STAMP)  ## set up, start the stack on SmolLM2-135M-Instruct, replay the demo, keep serving
 	$(VENV)/bin/cachepoint up --demo --model smollm2
 
-lint: $(STAMP)  ## ruff lint + format check
+# NOTE: lint-imports reads the package from a tree of links (tools/import_graph.py):
+# setup.py spreads `cachepoint` over several folders, which it cannot follow.
+IMPORT_GRAPH := build/import-graph
+
+lint: $(STAMP)  ## ruff lint + format check, import contracts (pyproject.toml)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(PY) tools/import_graph.py $(IMPORT_GRAPH)
+	PYTHONPATH=$(CURDIR)/$(IMPORT_GRAPH) $(VENV)/bin/lint-imports --no-cache
 
 typecheck: $(STAMP)  ## mypy --strict on kvcore
 	$(VENV)/bin/mypy --strict services/kvcore

@@ -17,11 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# NOTE: what ships is read from the product's defaults, as cli.py's SHIPPED_* are, and
+# not from cli.py: the CLI imports this module, so that was a cycle.
+from cachepoint.kvcore import DEFAULT_EVICTION as SHIPPED_EVICTION
+from cachepoint.routing import DEFAULT_POLICY as SHIPPED_POLICY
 from cachepoint.routing import CacheAwarePolicy
 
 from .billing import PriceTable
 from .bound import reuse_profile
-from .cli import SHIPPED_EVICTION, SHIPPED_POLICY
 from .cost import ReplicaCostModel
 from .progress import ProgressBar
 from .simulator import PreparedTrace, SimConfig, Simulator
