@@ -185,7 +185,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--trace",
         metavar="FILE",
-        help=f"trace JSONL; default ${TRACE_ENV}, else {' or '.join(DEFAULT_TRACES)}",
+        help=(
+            f"trace JSONL; default ${TRACE_ENV}, else {' or '.join(DEFAULT_TRACES)}, "
+            "else the simulator's bundled 500-request sample"
+        ),
     )
     p.add_argument(
         "--fracs",
