@@ -24,6 +24,9 @@ PACKAGE_DIRS = {
     "cachepoint.sim": "services/sim",
     "cachepoint.gateway": "gateway",
     "cachepoint.operator": "operator",
+    # NOTE: the benchmarks, so tests and bench scripts share helpers by import (never
+    # by path or sys.path); images copy no bench/, and a missing folder maps nothing.
+    "cachepoint.bench": "bench",
 }
 
 

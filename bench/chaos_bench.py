@@ -50,6 +50,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from cachepoint.bench.usage_ledger import usage_rows
 from cachepoint.demo_session import (
     MAX_TOKENS,
     MODEL,
@@ -62,10 +63,6 @@ from cachepoint.demo_session import (
 from cachepoint.events import schema
 from cachepoint.stack import Child, Stack, free_port
 from cachepoint.supervise import Backoff
-
-# NOTE: run as a script, bench/ is not on the path (PYTHONSAFEPATH); put it there.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from usage_ledger import usage_rows
 
 # Anthropic's error types (https://docs.anthropic.com/en/api/errors).
 ANTHROPIC_ERROR_TYPES = frozenset(

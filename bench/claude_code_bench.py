@@ -43,6 +43,9 @@ from pathlib import Path
 
 from sqlalchemy import text
 
+# NOTE: the environment a user sets for Claude Code is the client tests' own (the same
+# function), so the bench runs the CLI exactly as they do.
+from cachepoint.bench.clients import claude_env
 from cachepoint.gateway.contract.billing import Buckets, Price, cost_micros, uncached_cost_micros
 from cachepoint.gateway.db.session import make_engine, make_sessionmaker
 from cachepoint.gateway.ledger import price_for
@@ -51,10 +54,6 @@ from cachepoint.scheduler.random_model import RANDOM_CONTEXT
 from cachepoint.stack import Stack, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-# NOTE: the environment a user sets for Claude Code is the client tests' own, so the
-# bench runs the CLI exactly as they do (PYTHONSAFEPATH keeps that folder off the path).
-sys.path.insert(0, str(ROOT / "tests" / "clients"))
-from harness import claude_env  # noqa: E402
 
 CLAUDE = ROOT / ".tools" / "node" / "node_modules" / ".bin" / "claude"
 PROMPTS = [

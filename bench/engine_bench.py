@@ -32,24 +32,19 @@ import textwrap
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import torch
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from cachepoint.bench.prefill_bench import OtherLoad  # the machine-load probe
 from cachepoint.engine import DecodeRequest, Engine, EngineConfig, ModelConfig, PrefillRequest
 from cachepoint.engine.generate import BlockAllocator
 from cachepoint.engine.tokenizer import BYTE_VOCAB_SIZE
 from cachepoint.scheduler.scheduler import Scheduler, engine_executor
 from cachepoint.scheduler.schemas import GenerateRequest
 from cachepoint.scheduler.settings import ReplicaSettings
-
-# NOTE: PYTHONSAFEPATH keeps the script's folder off sys.path; the sibling bench
-# module with the machine-load probe is imported from it explicitly.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prefill_bench import OtherLoad
 
 BATCHES = (1, 8, 32)
 

@@ -43,10 +43,9 @@ from pathlib import Path
 
 import httpx
 
+from cachepoint.bench.model_bench import Transformers, progress
+
 ROOT = Path(__file__).resolve().parents[1]
-# NOTE: PYTHONSAFEPATH keeps the script's folder off sys.path; the sibling bench is ours.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model_bench import Transformers, progress  # noqa: E402
 
 ENGINES = {
     "torch": (ROOT / ".venv" / "bin", 16),

@@ -30,6 +30,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+# NOTE: the one bench that still edits sys.path: it drives tests/operator's emulated
+# API server, kubelet and operator runner, which are test files (no package). They
+# must move into an importable test-support package before this line can go.
 sys.path.insert(0, str(ROOT))
 
 import kmock  # noqa: E402

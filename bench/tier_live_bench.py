@@ -51,14 +51,11 @@ from typing import Any
 import anthropic
 import httpx
 
+from cachepoint.bench.usage_ledger import usage_rows
 from cachepoint.gateway.db.session import make_engine, make_sessionmaker
 from cachepoint.gateway.tenants import create_key, create_org
 from cachepoint.scheduler.settings import parse_bytes
 from cachepoint.stack import Stack, StackError, free_port
-
-# NOTE: run as a script, bench/ is not on the path (PYTHONSAFEPATH); put it there.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from usage_ledger import usage_rows
 
 BUCKETS = ("input", "cache_read", "cache_write_5m", "cache_write_1h", "output")
 TOPICS = ["kettles", "bicycles", "tax forms", "greenhouses", "violins", "sailboats", "bonsai"]

@@ -1,8 +1,5 @@
-"""The gateway ledger's usage rows, for benches that audit what the clients were told.
-
-Benches run as scripts (``PYTHONSAFEPATH=1`` keeps ``bench/`` off the path), so each
-puts this folder on ``sys.path`` before importing it.
-"""
+"""The gateway ledger's usage rows, for benches that audit what the clients were told
+(``from cachepoint.bench.usage_ledger import usage_rows``)."""
 
 from __future__ import annotations
 

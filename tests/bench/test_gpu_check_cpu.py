@@ -4,7 +4,6 @@ leaves the table (with its error) and a failing exit code."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -22,12 +21,9 @@ SCRIPT = ROOT / "bench" / "gpu_check.py"
 
 
 def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    from cachepoint.bench import gpu_check
+
+    return gpu_check
 
 
 def test_tiny_cpu_dry_run_without_installing_the_package() -> None:

@@ -5,29 +5,12 @@ the host tier promotes blocks back. The full-size figures are in bench/RESULTS.m
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import replace
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from cachepoint.bench import tier_live_bench as bench
 
-
-def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "tier_live_bench", ROOT / "bench" / "tier_live_bench.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["tier_live_bench"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = _bench()
 USAGE = {"input": 10, "cache_read": 500, "cache_write_5m": 20, "cache_write_1h": 0, "output": 8}
 
 

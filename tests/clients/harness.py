@@ -5,7 +5,6 @@ them, a hermetic environment for Claude Code, and readers for what the gateway w
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +13,9 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
+# NOTE: claude_env is shared with bench/claude_code_bench.py, so it lives in the bench
+# package; re-exported here for the client tests.
+from cachepoint.bench.clients import claude_env as claude_env
 from cachepoint.gateway.contract.billing import Buckets
 from cachepoint.gateway.db.session import make_engine
 
@@ -36,26 +38,6 @@ def installed(path: Path) -> Path:
     if not path.exists():
         pytest.fail(f"{path} is missing: run `make clients` (npm ci into .tools/node)")
     return path
-
-
-def claude_env(base_url: str, api_key: str, home: Path, context_window: int) -> dict[str, str]:
-    """What a user exports to point Claude Code at Cachepoint, and nothing of this
-    machine's own: a fresh HOME, no inherited ANTHROPIC_* and no traffic but the API."""
-    home.mkdir(parents=True, exist_ok=True)
-    return {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "HOME": str(home),
-        "LANG": "C.UTF-8",
-        "TMPDIR": str(home),
-        "ANTHROPIC_BASE_URL": base_url,
-        "ANTHROPIC_API_KEY": api_key,
-        # Claude Code cannot know a gateway model's window; this is its documented knob.
-        "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(context_window),
-        "DISABLE_TELEMETRY": "1",
-        "DISABLE_AUTOUPDATER": "1",
-        "DISABLE_ERROR_REPORTING": "1",
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-    }
 
 
 def run_claude(
