@@ -119,7 +119,7 @@ class GatewayMetrics:
         )
         self.intake_seconds = Histogram(
             "cachepoint_gateway_intake_seconds",
-            "Time in intake threads (parse, render, tokenize) by step",
+            "Time in intake threads by step (messages: parse to plan; count_tokens_parse)",
             ["step"],
             buckets=_FAST + _SLOW[7:],
             registry=self.registry,

@@ -106,17 +106,34 @@ class IntakePool:
         except BaseException:
             release()
             raise
+        result: asyncio.Future[_T] = loop.create_future()
+
+        def settle() -> None:
+            release()
+            if result.done():  # the caller stopped waiting
+                return
+            if job.cancelled():
+                result.cancel()
+            elif (exc := job.exception()) is not None:
+                result.set_exception(exc)
+            else:
+                result.set_result(job.result())
 
         def done(_: object) -> None:
             self.jobs_run += 1
-            # NOTE: a closed loop means the app is gone, and its pool with it.
+            # NOTE: one wake-up of the loop settles the wait and frees the slot (wrap_future
+            # would take a second). A closed loop means the app is gone, and its pool too.
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(release)
+                loop.call_soon_threadsafe(settle)
 
         job.add_done_callback(done)
-        # NOTE: a cancelled wait cancels a job not yet started; a running one finishes
-        # and only then gives the slot back (``done``).
-        return await asyncio.wrap_future(job)
+        try:
+            return await result
+        except asyncio.CancelledError:
+            # NOTE: a job not yet started never runs; a running one finishes and only
+            # then gives the slot back (``settle``).
+            job.cancel()
+            raise
 
     def shutdown(self) -> None:
         if self._executor is not None:
