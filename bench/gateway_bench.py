@@ -13,22 +13,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
+from cachepoint.bench.loopback import echo_gateway, seed_orgs
 from cachepoint.gateway.contract.render import Renderer
-from cachepoint.gateway.db.migrate import upgrade
-from cachepoint.gateway.db.session import make_engine, make_sessionmaker
 from cachepoint.gateway.schemas.messages import MessagesRequest
-from cachepoint.gateway.tenants import create_key, create_org
-from cachepoint.stack import free_port
 from cachepoint.tokenizer import ByteTokenizer
 
 SYSTEM = "You are a careful assistant for a hardware store. " * 40
@@ -38,20 +32,6 @@ BODY = {
     "system": [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}],
     "messages": [{"role": "user", "content": "Do you sell 10mm hex bolts?"}],
 }
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{url} exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit(f"{url} never became ready")
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -96,53 +76,9 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="cp-gw-bench-"))
     db = f"sqlite:///{tmp}/bench.db"
-    engine = make_engine(db)
-    upgrade(engine)
-    with make_sessionmaker(engine)() as s:
-        key = create_key(s, create_org(s, "bench"))[1]
-        s.commit()
-    engine.dispose()
-
-    rport, gport = free_port(), free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    replica = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "uvicorn",
-            "--factory",
-            "cachepoint.scheduler.echo:create_echo_app",
-            "--port",
-            str(rport),
-            "--log-level",
-            "warning",
-        ],
-        env=env,
-    )
-    gateway = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "cachepoint.gateway.cli",
-            "--port",
-            str(gport),
-            "--db",
-            db,
-            "--replica",
-            f"http://127.0.0.1:{rport}",
-            "--min-cacheable-tokens",
-            "64",
-            "--log-level",
-            "warning",
-        ],
-        env=env,
-        # Its request log (a JSON line per request) goes to a file, as in the stack.
-        stderr=open(tmp / "gateway.log", "wb"),  # noqa: SIM115 - the child owns it
-    )
-    rurl, gurl = f"http://127.0.0.1:{rport}", f"http://127.0.0.1:{gport}"
-    try:
-        wait_ready(rurl, replica)
-        wait_ready(gurl, gateway)
+    key = seed_orgs(db, ["bench"])["bench"]
+    with echo_gateway(db, tmp, ["--min-cacheable-tokens", "64"]) as loop:
+        rurl, gurl = loop.replica_url, loop.gateway_url
         rendered = Renderer(ByteTokenizer()).render(MessagesRequest.model_validate(BODY))
         direct_body = {
             "token_ids": rendered.tokens.tolist(),
@@ -165,10 +101,6 @@ def main() -> None:
         rps_via = asyncio.run(
             throughput(f"{gurl}/v1/messages", BODY, headers, args.concurrency, args.seconds)
         )
-    finally:
-        for p in (gateway, replica):
-            p.terminate()
-            p.wait(10)
 
     print(f"gateway overhead: {len(rendered)}-token prompt with one breakpoint, echo replica")
     print(f"{'':24}{'p50 ms':>10}{'p99 ms':>10}{'mean ms':>10}")

@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -32,11 +29,8 @@ from pathlib import Path
 
 import httpx
 
-from cachepoint.gateway.db.migrate import upgrade
-from cachepoint.gateway.db.session import make_engine, make_sessionmaker
-from cachepoint.gateway.tenants import create_key, create_org
+from cachepoint.bench.loopback import echo_gateway, reset_peak, seed_orgs, status_kib
 from cachepoint.scheduler.model_source import preset_path
-from cachepoint.stack import free_port
 
 SMALL = {
     "model": "cachepoint-tiny",
@@ -70,35 +64,6 @@ def heavy_bodies() -> dict[str, bytes]:
         name: json.dumps(body).encode()
         for name, body in (("big-text", big_text), ("tiny-blocks", tiny), ("wide-schema", wide))
     }
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.time() + 90
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{url} exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit(f"{url} never became ready")
-
-
-def status_kib(pid: int, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
-def reset_peak(pid: int) -> bool:
-    try:
-        Path(f"/proc/{pid}/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
 
 
 def probe_during(
@@ -159,58 +124,17 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="cp-noisy-"))
     db = f"sqlite:///{tmp}/bench.db"
-    engine = make_engine(db)
-    upgrade(engine)
-    with make_sessionmaker(engine)() as s:
-        key_a = create_key(s, create_org(s, "heavy"))[1]
-        key_b = create_key(s, create_org(s, "neighbour"))[1]
-        s.commit()
-    engine.dispose()
-
-    rport, gport = free_port(), free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    genv = {**env, "CACHEPOINT_GATEWAY_MAX_CONTEXT_TOKENS": str(args.window)}
-    replica = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "uvicorn",
-            "--factory",
-            "cachepoint.scheduler.echo:create_echo_app",
-            "--port",
-            str(rport),
-            "--log-level",
-            "warning",
-        ],
-        env=env,
-    )
-    gateway = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "cachepoint.gateway.cli",
-            "--port",
-            str(gport),
-            "--db",
-            db,
-            "--replica",
-            f"http://127.0.0.1:{rport}",
-            "--model-dir",
-            str(preset_path("smollm2")),
-            "--model",
-            "cachepoint-tiny",
-            "--log-level",
-            "warning",
-        ],
-        env=genv,
-        stderr=open(tmp / "gateway.log", "wb"),  # noqa: SIM115 - the child owns it
-    )
-    rurl, gurl = f"http://127.0.0.1:{rport}", f"http://127.0.0.1:{gport}"
+    keys = seed_orgs(db, ["heavy", "neighbour"])
+    key_a, key_b = keys["heavy"], keys["neighbour"]
     bodies = heavy_bodies()
     rows = []
-    try:
-        wait_ready(rurl, replica)
-        wait_ready(gurl, gateway)
+    with echo_gateway(
+        db,
+        tmp,
+        ["--model-dir", str(preset_path("smollm2")), "--model", "cachepoint-tiny"],
+        {"CACHEPOINT_GATEWAY_MAX_CONTEXT_TOKENS": str(args.window)},
+    ) as loop:
+        gurl, pid = loop.gateway_url, loop.gateway_pid
         with httpx.Client(timeout=30) as c:
             base = []
             for _ in range(40):
@@ -218,20 +142,16 @@ def main() -> None:
                 c.post(f"{gurl}/v1/messages", json=SMALL, headers={"x-api-key": key_b})
                 base.append(time.perf_counter() - t0)
         idle_ms = statistics.median(base) * 1e3
-        rss0 = status_kib(gateway.pid, "VmRSS") // 1024
+        rss0 = status_kib(pid, "VmRSS") // 1024
         for name, raw in bodies.items():
             if args.only and name not in args.only:
                 continue
-            reset_peak(gateway.pid)
+            reset_peak(pid)
             status, secs, small, health, text = probe_during(gurl, key_b, raw, key_a, args.probes_s)
-            peak = status_kib(gateway.pid, "VmHWM") // 1024
+            peak = status_kib(pid, "VmHWM") // 1024
             time.sleep(2.0)
-            after = status_kib(gateway.pid, "VmRSS") // 1024
+            after = status_kib(pid, "VmRSS") // 1024
             rows.append((name, len(raw), status, secs, small, health, peak, after, text))
-    finally:
-        for p in (gateway, replica):
-            p.terminate()
-            p.wait(10)
 
     print(f"gateway window {args.window} tokens, SmolLM2 tokenizer; idle RSS {rss0} MiB")
     print(f"org B's 4-token call when idle: p50 {idle_ms:.1f} ms")
