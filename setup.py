@@ -15,6 +15,7 @@ from setuptools import setup
 PACKAGE_DIRS = {
     "cachepoint": "services/cachepoint",
     "cachepoint.kvcore": "services/kvcore",
+    "cachepoint.billing": "services/billing",
     "cachepoint.tokenizer": "services/tokenizer",
     "cachepoint.engine": "services/engine",
     "cachepoint.scheduler": "services/scheduler",

@@ -8,7 +8,7 @@ SmolLM2's tokenizer and a 262,144-token window), then runs Claude Code 2.1.328 f
 `claude -p --continue` for every further turn. Per turn it prints the server-side time
 to first token (the replica's queue + prefill for the turn's main request), the wall
 time of the claude call, the four usage buckets from the ledger, and the cost against
-the same requests with no caching (gateway/contract/billing.py's price math).
+the same requests with no caching (cachepoint.billing's price math).
 
 Targets (issue 14): from turn 2 on, at least 90% of each turn's input read from the
 cache; the session at least 80% cheaper than uncached. Exits 1 when a claude call fails
@@ -46,7 +46,7 @@ from sqlalchemy import text
 # NOTE: the environment a user sets for Claude Code is the client tests' own (the same
 # function), so the bench runs the CLI exactly as they do.
 from cachepoint.bench.clients import claude_env
-from cachepoint.gateway.contract.billing import Buckets, Price, cost_micros, uncached_cost_micros
+from cachepoint.billing import Buckets, Price, cost_micros, uncached_cost_micros
 from cachepoint.gateway.db.session import make_engine, make_sessionmaker
 from cachepoint.gateway.ledger import price_for
 from cachepoint.gateway.settings import GatewaySettings

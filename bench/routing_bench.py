@@ -26,7 +26,7 @@ from pathlib import Path
 import anthropic
 import httpx
 
-from cachepoint.gateway.contract.billing import Price, buckets, cost_micros
+from cachepoint.billing import Price, buckets, cost_micros
 from cachepoint.gateway.db.session import make_engine, make_sessionmaker
 from cachepoint.gateway.tenants import create_key, create_org
 from cachepoint.stack import Stack, free_port

@@ -10,7 +10,8 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 from starlette.concurrency import run_in_threadpool
 
-from .contract.billing import Buckets
+from cachepoint.billing import Buckets
+
 from .ledger import Attribution, Charge
 from .pipeline import Prepared
 from .schemas.messages import MessagesRequest

@@ -12,8 +12,9 @@ from sqlalchemy import Engine, insert
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from .contract.billing import BillingError, Buckets, Price, cost_micros
-from .contract.billing import buckets as split_buckets
+from cachepoint.billing import BillingError, Buckets, Price, cost_micros
+from cachepoint.billing import buckets as split_buckets
+
 from .db.models import ModelPrice, UsageRecord
 
 # NOTE: one prebuilt insert with bound parameters: a fresh .values() statement per

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_wsgi_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .contract.billing import Buckets
+from cachepoint.billing import Buckets
 
 _FAST = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 _SLOW = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)

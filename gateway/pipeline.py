@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .contract.billing import BillingError, Buckets, buckets
+from cachepoint.billing import BillingError, Buckets, buckets
+
 from .contract.breakpoints import CachePlan, ContractError, resolve
 from .contract.encoding import PromptTooLong
 from .contract.render import RenderedPrompt, Renderer, degraded_headers

@@ -18,7 +18,8 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from .contract.billing import Buckets, Price, uncached_cost_micros
+from cachepoint.billing import Buckets, Price, uncached_cost_micros
+
 from .db.models import UsageRecord
 
 WIDTHS = {"1m": 60, "1h": 3600, "1d": 86400}

@@ -16,7 +16,8 @@ from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from typing import Any
 
-from .contract.billing import Buckets
+from cachepoint.billing import Buckets
+
 from .ledger import Charge
 from .tenants import KeyContext
 

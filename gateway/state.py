@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 from sqlalchemy.orm import Session, sessionmaker
 
+from cachepoint.billing import Price, cost_micros
+
 from . import requestlog
-from .contract.billing import Price, cost_micros
 from .contract.render import Renderer
 from .intake import BodyLimits, IntakePool
 from .ledger import Charge, price_for, record_on

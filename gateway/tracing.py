@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from opentelemetry.util.types import AttributeValue
 
-from .contract.billing import Buckets
+from cachepoint.billing import Buckets
+
 from .contract.breakpoints import CachePlan
 from .contract.render import RenderedPrompt
 

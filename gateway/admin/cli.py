@@ -24,8 +24,9 @@ from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
+from cachepoint.billing import Price
+
 from .. import aliases
-from ..contract.billing import Price
 from ..db.migrate import upgrade
 from ..db.models import ApiKey, ModelAlias, ModelPrice, Workspace
 from ..db.session import make_engine, make_sessionmaker

@@ -1,1 +1,1 @@
-"""The cache_control contract as pure functions: render, resolve breakpoints, bill."""
+"""The cache_control contract as pure functions: render, resolve breakpoints."""

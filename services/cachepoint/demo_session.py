@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from cachepoint.gateway.contract.billing import Price, buckets, cost_micros, uncached_cost_micros
+from cachepoint.billing import Price, buckets, cost_micros, uncached_cost_micros
 
 MODEL = "cachepoint-tiny"
 SCOPE_BETA = "prompt-caching-scope-2026-01-05"

@@ -11,6 +11,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from cachepoint.billing import cache_writes
 from cachepoint.kvcore import (
     MAX_LOOKBACK,
     TTL_SECONDS,
@@ -124,11 +125,6 @@ def write_entries(manager: KVCacheManager, cp: CachePlan) -> None:
 
 
 def written_tokens(cp: CachePlan) -> tuple[int, int]:
-    """(5m, 1h) written tokens: with A the hit, B the last 1h write, C the last write,
-    1h = B - A and 5m = C - max(A, B) (contract §3, Billing)."""
-    a = cp.entry_hit_tokens
-    if not cp.written:
-        return 0, 0
-    c = max(p for p, _ in cp.written)
-    b = max((p for p, ttl in cp.written if ttl == "1h"), default=a)
-    return c - max(a, b), b - a
+    """(5m, 1h) written tokens of the plan's writes past its hit: cachepoint.billing's
+    A/B/C rule (``cache_writes``), the one the gateway's buckets assume."""
+    return cache_writes(cp.entry_hit_tokens, cp.written)

@@ -1,9 +1,18 @@
-"""The bill of a simulated request: contract §3's three input buckets, priced."""
+"""The bill of a simulated request: contract §3's three input buckets, priced.
+
+The split and the multipliers are cachepoint.billing's, the ones the gateway bills
+with. NOTE: the sim prices in float dollars, summed over a whole trace: the gateway's
+exact Fractions, rounded to micro-dollars per request, would cost a Fraction sum per
+simulated request and change the reported totals by that rounding. A float cost is
+within a few ulps of the exact one (tests/billing/test_buckets.py bounds it).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from cachepoint.billing import READ_MULT, WRITE_1H_MULT, WRITE_5M_MULT, walk_breakpoints
 
 from .trace import Breakpoint
 
@@ -14,9 +23,9 @@ class PriceTable:
 
     input_per_mtok: float = 3.0  # plain input (an 8B-class model priced like a mid-tier API)
     output_per_mtok: float = 15.0  # generated tokens
-    cache_read_mult: float = 0.1  # × input price for cache_read_input_tokens
-    write_5m_mult: float = 1.25  # × input price for a 5m write
-    write_1h_mult: float = 2.0  # × input price for a 1h write
+    cache_read_mult: float = float(READ_MULT)  # × input price for cache_read_input_tokens
+    write_5m_mult: float = float(WRITE_5M_MULT)  # × input price for a 5m write
+    write_1h_mult: float = float(WRITE_1H_MULT)  # × input price for a 1h write
 
 
 @dataclass(slots=True)
@@ -69,7 +78,7 @@ def usage_for(
     breakpoints: Sequence[Breakpoint],
     written: Sequence[bool],
 ) -> Usage:
-    """Split a prompt into the buckets.
+    """Split a prompt into the buckets (cachepoint.billing's ``walk_breakpoints``).
 
     ``read_tokens`` is the cache read (the longest live entry hit); each breakpoint
     after it writes from the previous boundary up to itself, at its own TTL, unless
@@ -77,18 +86,12 @@ def usage_for(
     input. Everything after the last breakpoint is input. Since a 1h marker may
     not follow a 5m one, this is contract §3's "1h write is B−A, 5m write is C−max(A, B)".
     """
-    usage = Usage(output_tokens=output_length, cache_read_input_tokens=read_tokens)
-    at = read_tokens
-    for bp, ok in zip(breakpoints, written, strict=True):
-        if bp.tokens <= at:
-            continue
-        span = bp.tokens - at
-        if not ok:
-            usage.input_tokens += span
-        elif bp.ttl == "1h":
-            usage.ephemeral_1h_input_tokens += span
-        else:
-            usage.ephemeral_5m_input_tokens += span
-        at = bp.tokens
-    usage.input_tokens += input_length - at
-    return usage
+    marks = [(bp.tokens, bp.ttl, ok) for bp, ok in zip(breakpoints, written, strict=True)]
+    b = walk_breakpoints(input_length, read_tokens, marks, output_length)
+    return Usage(
+        input_tokens=b.input_tokens,
+        cache_read_input_tokens=b.cache_read_input_tokens,
+        ephemeral_5m_input_tokens=b.cache_write_5m_tokens,
+        ephemeral_1h_input_tokens=b.cache_write_1h_tokens,
+        output_tokens=b.output_tokens,
+    )

@@ -16,7 +16,7 @@ from sqlalchemy import text
 # NOTE: claude_env is shared with bench/claude_code_bench.py, so it lives in the bench
 # package; re-exported here for the client tests.
 from cachepoint.bench.clients import claude_env as claude_env
-from cachepoint.gateway.contract.billing import Buckets
+from cachepoint.billing import Buckets
 from cachepoint.gateway.db.session import make_engine
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -199,7 +199,7 @@ def _bill_users(
     db: str, org_name: str, users: tuple[str, ...], at: datetime = T_USAGE + timedelta(minutes=5)
 ) -> None:
     """One ledger row per user id, at ``at``, priced at 3/15 USD per MTok."""
-    from cachepoint.gateway.contract.billing import Price, buckets
+    from cachepoint.billing import Price, buckets
     from cachepoint.gateway.ledger import Attribution, Charge, record
     from cachepoint.gateway.tenants import get_org
 

@@ -24,8 +24,8 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, select, text, update
 
+from cachepoint.billing import Buckets, Price
 from cachepoint.gateway import idempotency
-from cachepoint.gateway.contract.billing import Buckets, Price
 from cachepoint.gateway.db.migrate import MIGRATIONS, upgrade
 from cachepoint.gateway.db.models import IdempotencyRecord, UsageRecord
 from cachepoint.gateway.db.session import make_engine

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import func, select
 
-from cachepoint.gateway.contract.billing import Price, buckets, cost_micros
+from cachepoint.billing import Price, buckets, cost_micros
 from cachepoint.gateway.db.models import Base, UsageRecord
 from cachepoint.gateway.ledger import Charge, record
 from cachepoint.gateway.reports import (

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cachepoint.gateway.contract.billing import Price, buckets
+from cachepoint.billing import Price, buckets
 from cachepoint.gateway.db.migrate import upgrade
 from cachepoint.gateway.db.session import make_engine, make_sessionmaker
 from cachepoint.gateway.ledger import Charge, record

@@ -11,8 +11,8 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import inspect, text
 
+from cachepoint.billing import Price, buckets, cost_micros, uncached_cost_micros
 from cachepoint.gateway.admin.cli import main as admin
-from cachepoint.gateway.contract.billing import Price, buckets, cost_micros, uncached_cost_micros
 from cachepoint.gateway.db.migrate import MIGRATIONS, upgrade
 from cachepoint.gateway.db.session import make_engine, make_sessionmaker
 from cachepoint.gateway.ledger import Attribution, Charge, record
