@@ -104,9 +104,9 @@ def engine_executor(name: str) -> ThreadPoolExecutor:
 
     NOTE: one and the same thread for both: torch keeps an OpenMP team per thread that
     runs a parallel op, and once a process's OpenMP threads outnumber its cores libgomp
-    stops spinning between parallel regions and sleeps instead. An engine built on one
-    thread (asyncio.to_thread's) and stepped on another paid a futex wake per op: a
-    tiny-model decode step took 1.8 ms instead of 0.85 on 2 cores.
+    stops spinning between parallel regions and sleeps instead, so an engine built on
+    one thread and stepped on another pays a futex wake per op (bench/RESULTS.md, "One
+    torch thread per replica").
     """
     return ThreadPoolExecutor(1, thread_name_prefix=f"engine-{name}")
 
@@ -837,11 +837,10 @@ class Scheduler:
         needs one (the finishing prefills, then the decodes), sampled where the logits
         are, with one transfer of the ids to the host.
 
-        NOTE: sampling here, not on the loop's thread: torch keeps an OpenMP team per
-        calling thread, and two teams on 2 cores made libgomp stop spinning between
-        parallel regions (it throttles once its threads outnumber the cores): a tiny
-        decode step went from 0.9 to 1.9 ms. Sampling's own failure is returned, not
-        raised: the forward's blocks are fine, only the sampled rows fail.
+        NOTE: sampling here, not on the loop's thread, for the reason in
+        ``engine_executor``: a second OpenMP team makes libgomp throttle. Sampling's own
+        failure is returned, not raised: the forward's blocks are fine, only the sampled
+        rows fail.
         """
         out = self.engine.step([r for _, r in batch.prefills], [r for _, r in batch.decodes])
         rows = [batch.prefills[i][0] for i in finishing] + [seq for seq, _ in batch.decodes]
