@@ -10,7 +10,7 @@ to first token (the replica's queue + prefill for the turn's main request), the 
 time of the claude call, the four usage buckets from the ledger, and the cost against
 the same requests with no caching (cachepoint.billing's price math).
 
-Targets (issue 14): from turn 2 on, at least 90% of each turn's input read from the
+Targets: from turn 2 on, at least 90% of each turn's input read from the
 cache; the session at least 80% cheaper than uncached. Exits 1 when a claude call fails
 (its error is printed) or a target is missed.
 

@@ -1,4 +1,4 @@
-"""Issue 15's engine targets, side by side in one run on this machine.
+"""The engine's targets, side by side in one run on this machine.
 
 1. Decode throughput at batch 1, 8 and 32 over an 8,192-token prefix that every lane
    shares (``prefill_bench.py``'s 25.6M-parameter model): batch 8 must reach 4x batch 1.

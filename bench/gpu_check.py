@@ -1,4 +1,4 @@
-"""One GPU check of the engine, for the day a device is lent (issue 15): under 5 minutes on
+"""One GPU check of the engine, for the day a device is lent: under 5 minutes on
 one H200, downloads nothing (random weights, Llama-3-8B shapes, bfloat16).
 
 Prints one table:
@@ -12,7 +12,7 @@ Prints one table:
 - decode tokens/s at batch 1, 32 and 128, every lane on one shared 1,024-token prefix
   (the prefix's blocks are shared; each lane grows its own blocks);
 - the KV pool the engine chose (blocks, GiB) and the peak memory;
-- with ``--engine vllm`` (or ``both``), the same shapes on vLLM (issue 18): its own
+- with ``--engine vllm`` (or ``both``), the same shapes on vLLM: its own
   random weights (``load_format="dummy"``), prefix caching on, reuse equals recompute
   (greedy token and its logprob, cold against cached), cold and cached TTFT (with the
   tokens vLLM reports it reused), and decode tokens/s at each batch; a SKIP row where
@@ -327,7 +327,7 @@ def check_decode(ctx: Ctx, batch: int) -> None:
     )
 
 
-# -- the vLLM case (issue 18) ----------------------------------------------------------
+# -- the vLLM case ---------------------------------------------------------------------
 
 
 def _vllm_llm(ctx: Ctx, folder: Path) -> Any:

@@ -1,4 +1,4 @@
-"""One tenant's huge request against everyone else's small ones (issue 29).
+"""One tenant's huge request against everyone else's small ones.
 
 Run:  .venv/bin/python bench/noisy_neighbour_bench.py [--window 262144] [--probes-s 0.25]
 

@@ -1,10 +1,11 @@
 """The operator's load on the Kubernetes API at rest: N CacheReplicas, every member
-Ready and its /v1/stats steady, counted per verb over a window (issue 17).
+Ready and its /v1/stats steady, counted per verb over a window.
 
-Before issue 17 every timer tick LISTed the pods of its CacheReplica twice and patched
-status whatever changed: 2 LIST and 1 PATCH per CacheReplica per `statsInterval`
-(10 s in the chart), so 200 CacheReplicas made 40 LIST/s and 20 writes/s. Now the
-pods come from one watch (a kopf index) and status is written only when it changed.
+Before the operator watched its pods, every timer tick LISTed the pods of its
+CacheReplica twice and patched status whatever changed: 2 LIST and 1 PATCH per
+CacheReplica per `statsInterval` (10 s in the chart), so 200 CacheReplicas made 40
+LIST/s and 20 writes/s. Now the pods come from one watch (a kopf index) and status is
+written only when it changed.
 
 It runs the real operator (kopf, as `kopf run -A`) against the emulated API server of
 tests/operator (RBAC from the chart, the CRD's schema), a fake kubelet that makes every

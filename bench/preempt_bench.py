@@ -1,4 +1,4 @@
-"""Many long generations on a KV pool far smaller than they need (issue 15's target).
+"""Many long generations on a KV pool far smaller than they need.
 
 By default: 32 concurrent requests with ``max_tokens`` 32,000 (``ignore_eos``) on the
 tiny random model, with a KV pool that holds a tenth of their total

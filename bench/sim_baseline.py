@@ -3,8 +3,8 @@
 Run:  .venv/bin/python bench/sim_baseline.py [--trace FILE] [--fracs 0.01 0.005]
           [--seeds 0 1 2] [--variant SPEC ...] [--host-mult K] [--time-scale X]
 
-Issue 16 asks that the shipped default be at least as good as the simplest
-baseline, "load-penalized longest match with LRU". In `cachepoint.routing` that is
+The shipped default must be at least as good as the simplest baseline,
+"load-penalized longest match with LRU". In `cachepoint.routing` that is
 `CacheAwarePolicy`: score = prefix tokens the replica holds (longest match) −
 ``load_weight`` × its queued prefill tokens. Its load weight is a free parameter, so
 this script replays the trace once per variant (the trace is loaded and hashed once)

@@ -1,5 +1,5 @@
 """KV tiers on the live embedded stack: a device pool too small for the working set,
-without and with a host tier behind it (issue 16, live targets).
+without and with a host tier behind it, checked against its live targets.
 
 Run:  .venv/bin/python bench/tier_live_bench.py [--tenants 6] [--sessions 2] [--turns 6]
 
