@@ -261,7 +261,7 @@ class GatewaySettings(BaseSettings):
         ge=0,
         description="a stream sends an SSE ping after this long without an event; 0 = none",
     )
-    # Request intake (issue 29): heavy work off the event loop, shared fairly.
+    # Request intake: heavy work off the event loop, shared fairly between orgs.
     intake_workers: int = Field(
         4, ge=1, le=256, description="threads that parse, render and tokenize request bodies"
     )

@@ -1,4 +1,4 @@
-"""Which URL a replica may announce for its name (issue 12, finding 2).
+"""Which URL a replica may announce for its name.
 
 A heartbeat names a replica and the URL the gateway should send it prompts. Even with
 NATS credentials, a URL that does not belong to the name would let one replica (or a

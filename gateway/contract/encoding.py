@@ -1,5 +1,6 @@
 """Encoding a prompt's pieces with a bound on the work: tokenizing stops as soon as the
-prompt is known to be longer than ``limit`` tokens (issue 29).
+prompt is known to be longer than ``limit`` tokens, so a huge body costs no more work
+than the limit it breaks.
 
 Two proofs that a prompt is too long, cheapest first:
 - its characters: no token stands for more than ``tokenizer.max_token_chars`` of them,

@@ -1,7 +1,8 @@
 """Request intake: from the raw body to a validated request, off the event loop and
-bounded (issue 29). ``body`` parses and checks the JSON (sizes, depth, NaN), ``pool``
-runs heavy work (parsing, rendering, tokenizing, fingerprints) in worker threads with a
-per-org share, ``memory`` hands freed memory back to the OS after a large body."""
+bounded, so that one org's huge body cannot stall another org's call. ``body`` parses
+and checks the JSON (sizes, depth, NaN), ``pool`` runs heavy work (parsing, rendering,
+tokenizing, fingerprints) in worker threads with a per-org share, ``memory`` hands
+freed memory back to the OS after a large body."""
 
 from .body import BodyLimits, read_body
 from .memory import trim_after

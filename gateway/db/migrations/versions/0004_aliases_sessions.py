@@ -1,4 +1,4 @@
-"""Model aliases, and the session and user a usage row belongs to (issue 14).
+"""Model aliases, and the session and user a usage row belongs to.
 
 Revision ID: 0004
 Revises: 0003

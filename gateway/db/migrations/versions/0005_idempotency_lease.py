@@ -1,4 +1,4 @@
-"""Idempotency leases (issue 29): an in-flight key's lease, and the charge its stream
+"""Idempotency leases: an in-flight key's lease, and the charge its stream
 has delivered so far, so that a retry can take over the key of a gateway that died and
 bill the cut attempt.
 
