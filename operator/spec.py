@@ -164,7 +164,7 @@ class BatchingSpec(_Spec):
     max_num_seqs: int | None = Field(None, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=16)
     # NOTE: at least 1: every request waits (at least for the next step) before it
-    # runs, so a replica with no queue answered 429 to everything (issue 17).
+    # runs, so a replica with no queue answered 429 to everything.
     max_waiting: int | None = Field(None, ge=1)
 
 

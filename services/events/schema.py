@@ -7,7 +7,7 @@ NOTE: fields added within a version are appended with a default, so both sides o
 a rolling upgrade read each other: an array-like struct (`Stored`, `Removed`)
 decodes a shorter array with the trailing defaults filled in, and ignores extra
 trailing items; a map struct (`Heartbeat`, `Snapshot`) fills missing keys with
-their defaults and ignores unknown ones. The KV tiers (issue 16) were added so.
+their defaults and ignores unknown ones. The KV tiers' fields were added so.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ POLICIES: dict[str, PolicyClass] = {
 """Every policy by its settings name."""
 
 DEFAULT_POLICY = "cache_aware"
-"""What the gateway routes by unless told otherwise (issue 5's scoring; docs/sim.md
-compares it with the others on Mooncake's trace)."""
+"""What the gateway routes by unless told otherwise (prefix tokens held against
+queued prefill tokens; docs/sim.md compares it with the others on Mooncake's trace)."""
 
 
 def make_policy(name: str, **options: Any) -> RoutingPolicy:

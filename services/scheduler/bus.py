@@ -222,7 +222,7 @@ class NatsBus:
         while True:
             nc = self.nc
             # NOTE: a replica whose scheduler loop died must drop out of routing: no
-            # heartbeat from it, however healthy its NATS connection (issue 12).
+            # heartbeat from it, however healthy its NATS connection.
             if nc is not None and nc.is_connected and self.serving:
                 with contextlib.suppress(Exception):
                     subject = heartbeat_subject(self.scheduler.name)

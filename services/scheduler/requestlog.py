@@ -1,4 +1,4 @@
-"""One structured line per finished request in the replica's log (issue 12).
+"""One structured line per finished request in the replica's log.
 
 The scheduler calls :class:`RequestLog` from its ``on_finish`` hook on the event-loop
 thread, so it only builds a flat dict; the formatter (``cachepoint.serve``) turns it

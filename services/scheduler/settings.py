@@ -169,7 +169,7 @@ class ReplicaSettings(BaseSettings):
         "admitted past it until it fits, so it cannot starve; 0 = strict queue order",
     )
     # NOTE: at least 1: every request waits (at least until the next step) before it
-    # runs, so with 0 a replica answered 429 to everything (issue 17).
+    # runs, so with 0 a replica answered 429 to everything.
     max_waiting: int = Field(256, ge=1, description="queued requests before 429")
     nats_url: str | None = Field(
         None,

@@ -35,7 +35,7 @@ SHIPPED = f"{SHIPPED_POLICY} + {SHIPPED_EVICTION}"  # the label of what the prod
 TARGETS = {0.01: 0.95, 0.005: 0.80}  # capacity per replica -> ratio-to-bound goal
 ORACLE = "prefix_affinity + oracle"  # the clairvoyant reference
 # NOTE: a label is "routing + eviction"; the routing may carry options as
-# "name:key=value,...". This one is the default issue 16 recommends (docs/sim.md).
+# "name:key=value,...". This one is the default docs/sim.md recommends.
 LIGHT_LOAD = "cache_aware:load_weight=0.1"  # cache_aware with a fifth of the shipped load weight
 # NOTE: drawn only while the shipped cache_aware weighs load differently; once it is
 # the default, "cache_aware + ..." is the same configuration.
@@ -99,7 +99,7 @@ class Sweep:
     headline_replicas: int = 16  # the fleet of the headline table
     headline_fracs: tuple[float, ...] = (0.01, 0.005)  # the capacities of the headline table
     seeds: tuple[int, ...] = (0, 1, 2)  # seeds of the headline runs (the rest use seed 0)
-    # KV tiers (issue 16), all at the headline fleet size and seed 0:
+    # KV tiers, all at the headline fleet size and seed 0:
     # (device, host) capacities per replica with a goal, each run for every grid combination
     tier_points: tuple[tuple[float, float], ...] = ((0.01, 0.04), (0.005, 0.02))
     grid_policies: tuple[str, ...] = (

@@ -23,7 +23,7 @@ def _not_ready_reason(scheduler: ReplicaCore | None) -> str | None:
     # NOTE: readiness is "loaded and serving", never load: a full queue answers 429 and
     # shows in the heartbeats' waiting/max_waiting, which the gateway routes by. A probe
     # that failed on load took every busy pod out at once in a rolling update, and one
-    # with max_waiting 0 never became ready (issue 17).
+    # with max_waiting 0 never became ready.
     if scheduler is None:
         return "engine loading"
     if scheduler.failure is not None:
@@ -41,8 +41,8 @@ def _not_ready_reason(scheduler: ReplicaCore | None) -> str | None:
 @router.get("/readyz")
 async def readyz(request: Request) -> JSONResponse:
     """Ready to take traffic: the engine is loaded, the scheduler loop runs and the
-    replica is not draining. A dead loop fails this at once, before the process exits
-    (issue 12). A full queue does not: overload is the router's business (issue 17)."""
+    replica is not draining. A dead loop fails this at once, before the process exits,
+    so no traffic reaches it. A full queue does not: overload is the router's business."""
     scheduler: ReplicaCore | None = getattr(request.app.state, "scheduler", None)
     reason = _not_ready_reason(scheduler)
     body: dict[str, object] = {"status": "ready" if reason is None else "not ready"}
