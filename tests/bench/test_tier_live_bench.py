@@ -1,4 +1,4 @@
-"""bench/tier_live_bench.py (issue 16, live targets): its checks on synthetic results,
+"""bench/tier_live_bench.py: its checks on synthetic results,
 its usage errors, and a tiny run of the real thing on two embedded stacks (device
 pool only, then with a host tier): the ledger equals the usage the clients got, and
 the host tier promotes blocks back. The full-size figures are in bench/RESULTS.md."""

@@ -1,4 +1,4 @@
-"""Faults under load (issue 12): agent sessions through the embedded stack while a
+"""Faults under load: agent sessions through the embedded stack while a
 replica and nats-server are killed -9 and restarted by the supervisor. No call hangs,
 every failure is an Anthropic error, the ledger matches the client bucket by bucket,
 nothing is billed twice, and both parts come back.

@@ -1,4 +1,4 @@
-"""A gateway killed -9 with a keyed stream in flight (issue 29, finding 2), on the real
+"""A gateway killed -9 with a keyed stream in flight, on the real
 embedded stack: its supervisor restarts the gateway, and the client's retry with the
 same idempotency key is taken over once the dead gateway's lease lapsed. It completes
 within the lease plus one upstream timeout (before: 409 "still in progress" after

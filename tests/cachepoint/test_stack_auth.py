@@ -1,4 +1,4 @@
-"""The embedded stack's event plane is authenticated (issue 12, finding 2): fresh
+"""The embedded stack's event plane is authenticated: fresh
 secrets under the state folder, owner-only; NATS admits no anonymous client; children
 get their credentials in the environment, never on the command line."""
 

@@ -1,4 +1,4 @@
-"""The embedded stack's tiny model speaks SmolLM2's BPE by default (issue 13): the
+"""The embedded stack's tiny model speaks SmolLM2's BPE by default: the
 replicas and the gateway share the tokenizer, prompts count in real tokens, and the
 context is the random model's 262,144 positions, not the byte era's 8,192."""
 

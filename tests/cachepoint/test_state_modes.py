@@ -1,4 +1,4 @@
-"""The embedded stack's state folder is private (issue 29): the folder and its
+"""The embedded stack's state folder is private: the folder and its
 subfolders 0700, every file 0600 (the ledger holds stored response bodies and key
 digests, the logs request lines, secrets.json the passwords), an older run's
 world-readable folder tightened on start."""

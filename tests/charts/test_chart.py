@@ -287,7 +287,7 @@ def test_external_postgres_and_nats(rendered: dict[str, list[dict[str, Any]]]) -
 
 def test_tracing_on(rendered: dict[str, list[dict[str, Any]]]) -> None:
     docs = rendered["tracing-values"]
-    # Fully qualified: member pods in any namespace reach it (issue 17).
+    # Fully qualified: member pods in any namespace reach it.
     collector = f"http://{FULLNAME}-otel-collector.{NAMESPACE}.svc.cluster.local:4317"
     config = yaml.safe_load(
         one(docs, "ConfigMap", f"{FULLNAME}-otel-collector")["data"]["config.yaml"]

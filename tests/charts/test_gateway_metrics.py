@@ -1,5 +1,5 @@
 """The gateway's /metrics in the chart: its own port, apart from the API, with the pod's
-scrape annotations pointing at it (issue 12)."""
+scrape annotations pointing at it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Operator HA: two pods by default, coordinated by kopf peering (issue 17, Medium)."""
+"""Operator HA: two pods by default, coordinated by kopf peering."""
 
 from __future__ import annotations
 

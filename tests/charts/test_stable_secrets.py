@@ -1,4 +1,4 @@
-"""Credentials that survive Argo CD syncs and uninstall + reinstall (issue 17, Medium).
+"""Credentials that survive Argo CD syncs and uninstall + reinstall.
 
 Generated Secrets carry helm.sh/resource-policy: keep; postgresql.existingSecret replaces
 the database Secret; secrets.generate=false makes the chart fail clearly instead of

@@ -1,4 +1,4 @@
-"""The real npm clients (issue 14) as the tests run them: where `make clients` put
+"""The real npm clients as the tests run them: where `make clients` put
 them, a hermetic environment for Claude Code, and readers for what the gateway wrote
 (its JSON request log, its ledger)."""
 

@@ -1,4 +1,4 @@
-"""Claude Code's agent loop through the gateway (issue 14): a scripted replica answers
+"""Claude Code's agent loop through the gateway: a scripted replica answers
 with a ``Read`` tool call, Claude Code runs the tool, and its next request carries the
 ``tool_result`` with the file's content. The replica is scripted, so the loop is tested
 here; the cache numbers of a real session are test_claude_code.py's."""

@@ -1,4 +1,4 @@
-"""Claude Code 2.1.328, unmodified, against `cachepoint up`'s embedded stack (issue 14):
+"""Claude Code 2.1.328, unmodified, against `cachepoint up`'s embedded stack:
 a three-turn session with a fresh HOME, judged by what the gateway logged and billed."""
 
 from __future__ import annotations

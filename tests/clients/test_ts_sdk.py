@@ -1,4 +1,4 @@
-"""The TypeScript SDK (@anthropic-ai/sdk 1.10.0 from npm) against the gateway (issue 14):
+"""The TypeScript SDK (@anthropic-ai/sdk 1.10.0 from npm) against the gateway:
 create, stream, countTokens and typed errors, beside the Python SDK's tests. A scripted
 replica answers, so the token texts and counts are exact."""
 

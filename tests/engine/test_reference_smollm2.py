@@ -28,7 +28,7 @@ from cachepoint.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
 
-LOGIT_TOL = 1e-3  # max absolute difference of float32 logits (the bar)
+LOGIT_TOL = 1e-3  # max absolute difference of float32 logits (the bar against transformers)
 SEED_DIR = Path(__file__).resolve().parents[1] / "data" / "seed"  # tests/data/seed
 
 

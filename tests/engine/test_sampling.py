@@ -94,7 +94,7 @@ def test_stop_checker_refuses_tokens_after_stopping() -> None:
         checker.append(ord("y"))
 
 
-# ------------------------------------------------- numerical safety (issue 12, finding 1)
+# ----------------------------------------------------------------------- numerical safety
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""Batched sampling (issue 15): one host transfer per call, per-row generators."""
+"""Batched sampling: one host transfer per call, per-row generators."""
 
 from __future__ import annotations
 

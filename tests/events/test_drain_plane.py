@@ -1,4 +1,4 @@
-"""Draining and routing by model over a real nats-server (issue 17, findings 5 and 6).
+"""Draining and routing by model over a real nats-server.
 
 Replicas behind real uvicorns, the gateway on SQLite: a drained replica leaves the
 gateway's routing as soon as its draining heartbeat lands (long before the next

@@ -1,4 +1,4 @@
-"""Issue 12, finding 2: the event plane authenticates and authorizes, on a real
+"""The event plane authenticates and authorizes, on a real
 nats-server running the generated config, with real replicas and a real gateway.
 
 Before the fix any client could connect without credentials, announce a fake

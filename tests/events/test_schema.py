@@ -47,7 +47,7 @@ def test_subjects_and_names():
             check_replica_name(bad)
 
 
-# ------------------------------------------------------------------ tiers (issue 16)
+# ----------------------------------------------------------------------------- tiers
 
 
 class _OldStored(msgspec.Struct, tag="stored", array_like=True, frozen=True):

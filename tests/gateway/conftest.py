@@ -59,7 +59,7 @@ def tiny_engine():
     return Engine(ModelConfig.tiny(), EngineConfig(kv_cache_bytes=32 * 2**20, max_model_len=4096))
 
 
-# The contract tests that run, unmodified, on both engines (issue 18): the official SDK,
+# The contract tests that run, unmodified, on both engines: the official SDK,
 # exact buckets across turns, isolation, streaming, usage reports against the ledger.
 BOTH_ENGINES = {"test_conformance.py", "test_history_e2e.py"}
 

@@ -108,7 +108,7 @@ def test_admin_cli_usage_table_and_csv(tmp_path, stack):
 
 
 def test_admin_cli_set_retention(tmp_path, capsys):
-    """`orgs set-retention` stores the org's quota (issue 12, finding 4); the gateway
+    """`orgs set-retention` stores the org's quota; the gateway
     reads it with the key and sends it to the replicas. In-process (the same `main`
     the script runs), so this stays fast."""
     from cachepoint.gateway.admin.cli import main
@@ -159,7 +159,7 @@ def test_admin_cli_set_retention(tmp_path, capsys):
     assert "billed as plain input" in " ".join(help_text.split())
 
 
-# ------------------------------------------------- untrusted text (issue 29, finding 4)
+# ----------------------------------------------------------------------- untrusted text
 
 HOSTILE_TERM = "\x1b[2J\x1b]0;title\x07"  # clear screen, set the window title
 HOSTILE_CSV = '=HYPERLINK("http://x","y")'
@@ -297,8 +297,8 @@ def test_admin_cli_tables_escape_names(cli):
 
 
 def test_admin_cli_dates_have_four_digit_years(cli):
-    """The usage table and CSV print year 1 as 0001 (RFC 3339), not "1" (issue 29,
-    finding 5); a --since that reaches before year 1 is a clear error, not a traceback."""
+    """The usage table and CSV print year 1 as 0001 (RFC 3339), not "1";
+    a --since that reaches before year 1 is a clear error, not a traceback."""
     assert cli("orgs", "create", "acme")[0] == 0
     year1 = datetime(1, 1, 1, tzinfo=UTC)
     _bill_users(cli.db, "acme", ("alice",), at=year1 + timedelta(hours=1, minutes=5))

@@ -1,4 +1,4 @@
-"""Model aliases (issue 14): Claude Code's own model names served by a Cachepoint model,
+"""Model aliases: Claude Code's own model names served by a Cachepoint model,
 from settings and from the database (`cachepoint-admin models alias`), and listed in
 /v1/models in Anthropic's shape."""
 

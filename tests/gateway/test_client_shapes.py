@@ -1,4 +1,4 @@
-"""What real clients send (issue 14): Claude Code 2.1.328's betas, `?beta=true`, and its
+"""What real clients send: Claude Code 2.1.328's betas, `?beta=true`, and its
 request fields (`thinking`, `context_management`, deferred tools, `tool_reference`),
 accepted against a scripted replica; what a self-hosted model cannot do refused with
 its path; context overflow in Anthropic's exact words, or clamped."""
@@ -13,7 +13,7 @@ import pytest
 
 from .scripted import MODEL, Gateway, Script, gateway_factory
 
-# Claude Code 2.1.328's header, as captured (issue 14; without --model it adds
+# Claude Code 2.1.328's header, as captured (without --model it adds
 # per-turn-control-2026-07-01).
 CLAUDE_CODE_BETAS = (
     "claude-code-20250219,interleaved-thinking-2025-05-14,context-management-2025-06-27,"
@@ -359,7 +359,7 @@ def test_clamp_max_tokens_lowers_it_to_the_room_left(gateway_for):
 
 
 def claude_code_body() -> dict[str, Any]:
-    """Shaped as Claude Code 2.1.328 sends its first turn (issue 14), scaled down."""
+    """Shaped as Claude Code 2.1.328 sends its first turn, scaled down."""
     tools = [
         {
             "name": name,

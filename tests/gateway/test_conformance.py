@@ -229,8 +229,9 @@ def test_conformance_orgs_are_isolated(stack):
                 model=MODEL,
                 max_tokens=4,
                 messages=[{"role": "user", "content": "q"}],
-                # NOTE: unknown betas are accepted since issue 14 (strict_betas opts
-                # back in; tests/gateway/test_client_shapes.py); a server tool is not.
+                # NOTE: unknown betas are accepted, as Claude Code sends new ones
+                # (strict_betas opts back in; tests/gateway/test_client_shapes.py); a
+                # server tool is not.
                 extra_body={"tools": [{"type": "web_search_20250305", "name": "web_search"}]},
             ),
             anthropic.BadRequestError,

@@ -113,7 +113,7 @@ def test_directory_queue_bound_and_load_reach_the_view():
     assert not view.routable  # at its queue bound
 
 
-# ------------------------------------------- refusals (issue 12, finding 2)
+# ----------------------------------------------------------------- refusals
 
 NOW_NS = 1_800_000_000 * 10**9  # the gateway's wall clock in these tests
 SKEW_NS = 60 * 10**9

@@ -1,5 +1,5 @@
 """Which URL a replica may announce (gateway/trust.py) and how the CLI and settings
-name replicas (issue 12, finding 2)."""
+name replicas."""
 
 from __future__ import annotations
 

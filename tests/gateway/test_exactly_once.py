@@ -1,4 +1,4 @@
-"""Exactly-once billing on the request path (issue 12, findings 2, 3 and 5).
+"""Exactly-once billing on the request path.
 
 The gateway runs for real (uvicorn, SQLite or PostgreSQL ledger) with the official SDK
 as its client. Its replica is scripted (tests/gateway/scripted.py): a small app that

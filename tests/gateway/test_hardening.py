@@ -1,4 +1,4 @@
-"""Conformance and hardening (issue 29, finding 6): unknown betas as the docs say, 415
+"""Conformance and hardening: unknown betas as the docs say, 415
 for a body that is not JSON or is compressed, no API docs unless asked for, and SSE
 pings while a stream waits on its replica."""
 

@@ -1,4 +1,4 @@
-"""Idempotency leases (issue 29, finding 2), on SQLite and PostgreSQL.
+"""Idempotency leases, on SQLite and PostgreSQL.
 
 A key in flight is held by a lease its gateway renews; a gateway that dies stops
 renewing, and a retry takes the key over once the lease lapsed, billing the cut

@@ -1,4 +1,4 @@
-"""Request intake (issue 29): JSON the parser accepts but the pipeline cannot handle is a
+"""Request intake: JSON the parser accepts but the pipeline cannot handle is a
 400 naming the path (never a 500), caps on a body's shape, the bounded tokenizing of an
 overlong prompt, and count_tokens' own rate limit."""
 

@@ -1,4 +1,4 @@
-"""The gateway's limits (issue 12, finding 6): chunked and slow bodies, lone surrogates,
+"""The gateway's limits: chunked and slow bodies, lone surrogates,
 booleans as integers, a private /metrics, revocation at once, rate limits, request logs.
 
 Each test drives a live gateway (real uvicorn, SQLite, a real tiny replica where a

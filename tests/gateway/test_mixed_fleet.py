@@ -1,4 +1,4 @@
-"""A mixed fleet (issue 18): one torch replica and one vLLM replica behind the gateway,
+"""A mixed fleet: one torch replica and one vLLM replica behind the gateway,
 both publishing on one real nats-server. The vLLM replica's events come from vLLM's
 own KV event stream through the kvcore mirror, so the gateway's cache-aware routing
 must send each tenant's later turns to whichever replica holds its prefix.

@@ -1,4 +1,4 @@
-"""Per-model settings (issue 13): each model id's context window, minimum cacheable
+"""Per-model settings: each model id's context window, minimum cacheable
 length and stop ids, over a live gateway and a real tiny replica where a reply counts."""
 
 from __future__ import annotations

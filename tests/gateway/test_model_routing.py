@@ -1,4 +1,4 @@
-"""Routing by model and around draining replicas (issue 17, findings 5 and 6): the
+"""Routing by model and around draining replicas: the
 router only ever chooses a replica that serves the request's (alias-resolved) model and
 is not draining; when none can, the client gets a clear Anthropic error, never a 500."""
 

@@ -1,4 +1,4 @@
-"""One org's huge body must not stall another org's call or /healthz (issue 29).
+"""One org's huge body must not stall another org's call or /healthz.
 
 A real gateway process (SmolLM2's tokenizer and chat template, the embedded stack's
 262,144-token window) over the echo replica. Before the intake pool, a 25 MB body held

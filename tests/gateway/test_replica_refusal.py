@@ -1,6 +1,6 @@
 """A replica that refuses a request with 503 (draining, shutting down) ran nothing: the
-gateway routes the request again, elsewhere, and the client never sees the refusal
-(issue 17, finding 6). Only when no other replica can take it does the client get it,
+gateway routes the request again, elsewhere, and the client never sees the refusal.
+Only when no other replica can take it does the client get it,
 as a 529 overloaded_error."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Report ranges at the edges of the calendar (issue 29, finding 5): the last days of
+"""Report ranges at the edges of the calendar: the last days of
 9999 gave a 500 (OverflowError in the bucket arithmetic) on both report endpoints, and
 year 1 came out as "1-01-01T00:00:00Z", which is not RFC 3339."""
 

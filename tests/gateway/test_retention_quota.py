@@ -1,4 +1,4 @@
-"""Issue 12, finding 4: one org must not take all the TTL retention of a replica.
+"""One org must not take all the TTL retention of a replica.
 
 A real replica (tiny model, CPU, a deliberately small pool of 64 blocks, so 32 may be
 retained) behind a real gateway on SQLite, driven by the official SDK. Org a writes

@@ -1,4 +1,4 @@
-"""Untrusted text made safe for the operator's terminal and CSV (issue 29, finding 4)."""
+"""Untrusted text made safe for the operator's terminal and CSV."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Sessions in billing (issue 14): ledger rows carry Claude Code's session id and
+"""Sessions in billing: ledger rows carry Claude Code's session id and
 metadata.user_id; reports filter and group by them with the four buckets, the cost
 and what the cache saved; migration 0004 on SQLite and PostgreSQL."""
 

@@ -60,7 +60,7 @@ def test_prefix_index_replace_and_bad_event():
         idx.apply("stored")  # type: ignore[arg-type]
 
 
-# ------------------------------------------------------------------ tiers (issue 16)
+# ----------------------------------------------------------------------------- tiers
 
 
 def test_stored_in_a_new_tier_moves_the_hash():

@@ -77,7 +77,7 @@ def evaluate(name: str, spec: dict[str, Any]) -> list[str]:
 def test_every_rule_compiles_and_has_a_message() -> None:
     rules = rules_in(root_schema())
     where = {path for path, _ in rules}
-    # The rules the issue asks for, at the nodes that can see their fields.
+    # The rules the CRD must enforce, at the nodes that can see their fields.
     assert {"<root>", ".spec", ".spec.model", ".spec.kv"} <= where
     assert ".spec.model.huggingFace.storage" in where
     for path, rule in rules:

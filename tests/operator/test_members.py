@@ -65,8 +65,8 @@ def test_outdated_members_that_are_not_ready_go_first_within_the_budget() -> Non
 
 
 def test_every_member_not_ready_under_load_is_replaced_one_at_a_time() -> None:
-    # Issue 17's review: 4 outdated members all answering 503 under load were all
-    # deleted at once. With maxUnavailable 1, one goes; the next waits for its successor.
+    # A rolling update once deleted 4 outdated members all answering 503 under load at
+    # once. With maxUnavailable 1, one goes; the next waits for its successor.
     step = plan(4, NEW, members(*[(OLD, False)] * 4), roll=True)
     assert step.delete == ["r-0"]
     current = members(*[(OLD, False)] * 4)

@@ -72,7 +72,7 @@ def test_cli_serves_generate_and_stats_then_stops_on_sigterm(free_port):
     assert proc.returncode in (0, -signal.SIGTERM), out
     assert "Application shutdown complete" in out
     assert "Traceback" not in out
-    # The log is JSON lines (issue 12): startup, then one line per finished request.
+    # The log is JSON lines: startup, then one line per finished request.
     lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     started = next(line for line in lines if line.get("event") == "replica_started")
     assert started["replica"] == "cli-r" and started["model"] == "cachepoint-tiny"

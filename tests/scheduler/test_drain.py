@@ -1,4 +1,4 @@
-"""Draining a replica (issue 17, finding 6): POST /v1/drain, the drain CLI (the pod's
+"""Draining a replica: POST /v1/drain, the drain CLI (the pod's
 preStop hook) and SIGTERM all stop new work with a clear 503, announce draining in a
 heartbeat at once, and let in-flight streams finish before the process exits."""
 

@@ -1,5 +1,5 @@
 """Every piece of a replica's torch work runs on one thread: the engine's build, its
-steps and the sampling of their tokens (issue 15's host work per step).
+steps and the sampling of their tokens (the host work per step).
 
 torch keeps an OpenMP team per thread that runs a parallel op; once a process's OpenMP
 threads outnumber its cores, libgomp stops spinning between parallel regions, and a

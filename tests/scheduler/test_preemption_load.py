@@ -1,4 +1,4 @@
-"""Issue 15's target, scaled down: 32 concurrent requests whose KV is ten times the
+"""The preemption target, scaled down: 32 concurrent requests whose KV is ten times the
 pool all complete, through the HTTP API, with preemptions counted and greedy output
 unchanged by the recomputes."""
 

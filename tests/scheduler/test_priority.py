@@ -1,4 +1,4 @@
-"""Priority scheduling and admission without head-of-line blocking (issue 15)."""
+"""Priority scheduling and admission without head-of-line blocking."""
 
 from __future__ import annotations
 

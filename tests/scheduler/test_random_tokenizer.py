@@ -1,4 +1,4 @@
-"""The random model's tokenizer option and long context (issue 13): the tiny replica
+"""The random model's tokenizer option and long context: the tiny replica
 speaks SmolLM2's BPE ids, takes prompts of tens of thousands of real tokens, and the
 byte tokenizer stays available."""
 

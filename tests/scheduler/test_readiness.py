@@ -1,4 +1,4 @@
-"""Readiness means "loaded and serving", never "not busy" (issue 17, finding 4).
+"""Readiness means "loaded and serving", never "not busy".
 
 A probe that failed while the waiting queue was full made a rolling update under load
 count every busy member as broken, and a replica with max_waiting 0 never ready.

@@ -1,4 +1,4 @@
-"""The replica's request log: one structured line per finished request (issue 12)."""
+"""The replica's request log: one structured line per finished request."""
 
 from __future__ import annotations
 

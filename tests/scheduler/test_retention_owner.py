@@ -1,5 +1,5 @@
 """Per-org retention quotas on the replica: admission charges entries to their owner,
-and the HTTP API carries the owner and its share (issue 12, finding 4)."""
+and the HTTP API carries the owner and its share."""
 
 from __future__ import annotations
 

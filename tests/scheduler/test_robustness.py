@@ -1,4 +1,4 @@
-"""One request must never kill a replica (issue 12, finding 1).
+"""One request must never kill a replica.
 
 Each test bounds its waits: on the code before the fix the scheduler loop died and
 every request hung, so an unbounded await would hang the suite instead of failing.
@@ -57,7 +57,7 @@ async def sched(engine: Engine, settings, sink):
     ],
 )
 async def test_extreme_sampling_values_neither_kill_the_loop_nor_fail(sched: Scheduler, params):
-    """The issue's reproduction: these pass validation, and used to raise inside
+    """The reproduction: these pass validation, and used to raise inside
     sample() outside the loop's try, killing the loop and hanging every request."""
     prompt = _prompt(60, 1)
     greedy = sched.submit(GenerateRequest(token_ids=prompt, max_tokens=6, ignore_eos=True))

@@ -1,4 +1,4 @@
-"""A scheduler loop that dies takes the replica out (issue 12, finding 1).
+"""A scheduler loop that dies takes the replica out.
 
 In process: the app behind a real uvicorn, heartbeats over a real nats-server; the
 loop is killed through the scheduler's fault hook while two requests are in flight.
@@ -74,7 +74,7 @@ async def test_loop_death_fails_requests_stops_heartbeats_fails_readyz_and_asks_
             beats.append(time.monotonic())
 
     await nc.subscribe(f"{HEARTBEAT}.>", cb=on_beat)
-    await nc.subscribe(HEARTBEAT, cb=on_beat)  # the pre-issue-12 single subject
+    await nc.subscribe(HEARTBEAT, cb=on_beat)  # the old single subject, before one per replica
     try:
         await _until(lambda: len(beats) >= 2, what="heartbeats")
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:

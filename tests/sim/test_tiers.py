@@ -180,7 +180,7 @@ def test_cli_tier_flags_and_json_keys(trace_file: Path, capsys: pytest.CaptureFi
     args = ["sim", "--trace", str(trace_file), "--replicas", "2", "--capacity-frac", "2%"]
     assert main([*args, "--host-frac", "8%", "--disk-frac", "0.1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) >= ISSUE_KEYS  # issue "Capacity planning"'s keys are all still there
+    assert set(out) >= ISSUE_KEYS  # the capacity-planning keys are all still there
     assert out["host_frac"] == pytest.approx(0.08)
     assert out["disk_frac"] == pytest.approx(0.1)
     assert out["host_slots"] > 0 and out["disk_slots"] > out["host_slots"]

@@ -114,8 +114,8 @@ def test_metrics_count_a_streamed_request(serve, seeded_db):
 
 
 def test_gateway_metrics_are_not_on_the_public_port(serve, seeded_db):
-    """The billed counters carry org ids: the API port must not serve them to anyone
-    (issue 12); the private listener does, and only it."""
+    """The billed counters carry org ids: the API port must not serve them to anyone;
+    the private listener does, and only it."""
     db, keys = seeded_db
     app = create_app(GatewaySettings(database_url=db, metrics_port=0))
     url = serve(app)
