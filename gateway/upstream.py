@@ -1,4 +1,4 @@
-"""Calls to replicas, and the router seam that issue-5 routing plugs into."""
+"""Calls to replicas, and the router seam that cache-aware routing plugs into."""
 
 from __future__ import annotations
 

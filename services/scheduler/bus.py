@@ -199,8 +199,9 @@ class NatsBus:
     @property
     def serving(self) -> bool:
         """Heartbeat only while requests can be served: not before the server listens
-        (the gateway would route into refused connections), not with a dead loop (issue
-        12), nor while the engine restarts (the gateway would route into 503s)."""
+        (the gateway would route into refused connections), not with a dead loop (its
+        requests would never be answered), nor while the engine restarts (the gateway
+        would route into 503s)."""
         s = self.scheduler
         listening = self.listening is None or self.listening.is_set()
         return listening and s.alive and s.unavailable is None

@@ -30,7 +30,7 @@ from .progress import ProgressBar
 from .simulator import PreparedTrace, SimConfig, Simulator
 from .trace import load_trace
 
-BASELINE = "cache_aware + lru"  # the baseline: longest match, load penalty, LRU
+BASELINE = "cache_aware + lru"  # the simplest baseline: longest match, load penalty, LRU
 SHIPPED = f"{SHIPPED_POLICY} + {SHIPPED_EVICTION}"  # the label of what the product ships
 TARGETS = {0.01: 0.95, 0.005: 0.80}  # capacity per replica -> ratio-to-bound goal
 ORACLE = "prefix_affinity + oracle"  # the clairvoyant reference
