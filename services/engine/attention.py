@@ -111,7 +111,7 @@ def combine(parts: list[Partial]) -> Partial:
     out, lse = parts[0][0].float(), parts[0][1]
     for o, part_lse in parts[1:]:
         # NOTE: two parts weigh sigmoid(lse_a - lse_b) and its complement: 4 small ops a
-        # merge instead of 9 for stack/logsumexp/exp (23 -> 6 us at decode). A row with
+        # merge instead of 9 for stack/logsumexp/exp, a quarter of the time. A row with
         # no keys in either part so far (both -inf) gives NaN; it weighs 0.5 of two
         # zero outputs instead, and a later part with keys takes it over.
         w = torch.sigmoid(lse - part_lse).nan_to_num_(0.5).unsqueeze(-1)
@@ -125,8 +125,8 @@ def _fold(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
     NOTE: every query head of a GQA group reads the same K/V head, so the group's heads
     become extra query rows of one KV head: the kernel then streams each K/V head once
-    instead of once per query head. On the CPU a 1-token decode over 4k positions took
-    0.3-0.5 ms folded against 3.5 ms with the kernel's own GQA handling.
+    instead of once per query head; on the CPU that is several times faster at decode
+    (bench/RESULTS.md, "Where the engine's CPU thresholds come from").
     """
     rows, heads, dim = q.shape
     group = heads // kv_heads

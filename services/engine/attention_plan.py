@@ -47,7 +47,6 @@ MAX_SPLIT_RUNS = 8
 # here, a CPU flash call over 16 keys costs about 25 us, and streaming K/V about
 # 15 ns a key on the tiny model, 180 ns on SmolLM2's shapes and 740 ns on Llama-3-8B's
 # (about 10 GB/s): 256 KiB of hidden K/V cost what the second call and its merge save.
-# On the tiny model the two runs' step took 95 us a layer as one view, 160-195 as two.
 BRIDGE_BYTES = 256 << 10
 
 

@@ -31,7 +31,7 @@ _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 USE_ONEDNN = _ONEDNN is not None and torch.backends.mkldnn.is_available()
 
 # NOTE: oneDNN wins from about half a million weights up, at one row and within a
-# decode step alike (bench/RESULTS.md, "Where linear.py's thresholds come from").
+# decode step alike (bench/RESULTS.md, "Where the engine's CPU thresholds come from").
 ONEDNN_MIN_WEIGHTS = 1 << 19
 
 
