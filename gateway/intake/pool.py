@@ -49,7 +49,6 @@ class IntakePool:
     org_bytes: int  # body bytes one org's requests in intake may declare in all
     _executor: ThreadPoolExecutor | None = None
     _orgs: dict[str, _Org] = field(default_factory=dict)
-    jobs_run: int = 0  # jobs finished (for tests and metrics)
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._executor is None:
@@ -120,7 +119,6 @@ class IntakePool:
                 result.set_result(job.result())
 
         def done(_: object) -> None:
-            self.jobs_run += 1
             # NOTE: one wake-up of the loop settles the wait and frees the slot (wrap_future
             # would take a second). A closed loop means the app is gone, and its pool too.
             with contextlib.suppress(RuntimeError):

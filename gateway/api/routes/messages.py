@@ -67,14 +67,17 @@ async def _resolved(state: GatewayState, body: _Body) -> _Body:
     return body if served == body.model else body.model_copy(update={"model": served})
 
 
-async def _read(
-    request: Request, state: GatewayState, ctx: KeyContext, model: type[_Body]
-) -> _Body:
-    """The body, parsed, checked and validated in an intake thread (gateway/intake)."""
+async def _read_count_body(
+    request: Request, state: GatewayState, ctx: KeyContext
+) -> CountTokensRequest:
+    """count_tokens' body, parsed, checked and validated in an intake thread
+    (messages parse and prepare in one job: ``_intake_job``)."""
     raw = await request.body()
     try:
         t0 = time.perf_counter()
-        body = await state.intake.run(ctx.org_id, read_body, raw, model, state.body_limits)
+        body = await state.intake.run(
+            ctx.org_id, read_body, raw, CountTokensRequest, state.body_limits
+        )
         state.metrics.intake_seconds.labels("count_tokens_parse").observe(time.perf_counter() - t0)
         return body
     finally:
@@ -350,7 +353,7 @@ async def count_tokens(
     counted = state.metrics.count_tokens
     try:
         async with state.intake.admitted(ctx.org_id, _declared(request, state)):
-            body = await _read(request, state, ctx, CountTokensRequest)
+            body = await _read_count_body(request, state, ctx)
             requestlog.note_request(ctx, body.model, False)
             body = await _resolved(state, body)
             n = await state.intake.run(ctx.org_id, _count_job, body, ctx, betas, state)
