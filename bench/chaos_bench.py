@@ -51,7 +51,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cachepoint.bench.usage_ledger import usage_rows
-from cachepoint.demo_session import (
+from cachepoint.embedded.demo_session import (
     MAX_TOKENS,
     MODEL,
     SCOPE_BETA,
@@ -60,9 +60,9 @@ from cachepoint.demo_session import (
     next_request,
     system_blocks,
 )
+from cachepoint.embedded.stack import Child, Stack, free_port
+from cachepoint.embedded.supervise import Backoff
 from cachepoint.events import schema
-from cachepoint.stack import Child, Stack, free_port
-from cachepoint.supervise import Backoff
 
 # Anthropic's error types (https://docs.anthropic.com/en/api/errors).
 ANTHROPIC_ERROR_TYPES = frozenset(

@@ -47,11 +47,11 @@ from sqlalchemy import text
 # function), so the bench runs the CLI exactly as they do.
 from cachepoint.bench.clients import claude_env
 from cachepoint.billing import Buckets, Price, cost_micros, uncached_cost_micros
+from cachepoint.embedded.stack import Stack, free_port
+from cachepoint.gateway.billing.ledger import price_for
 from cachepoint.gateway.db.session import make_engine, make_sessionmaker
-from cachepoint.gateway.ledger import price_for
 from cachepoint.gateway.settings import GatewaySettings
-from cachepoint.scheduler.random_model import RANDOM_CONTEXT
-from cachepoint.stack import Stack, free_port
+from cachepoint.replica.random_model import RANDOM_CONTEXT
 
 ROOT = Path(__file__).resolve().parents[1]
 

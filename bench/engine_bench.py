@@ -42,9 +42,9 @@ from cachepoint.bench.prefill_bench import OtherLoad  # the machine-load probe
 from cachepoint.engine import DecodeRequest, Engine, EngineConfig, ModelConfig, PrefillRequest
 from cachepoint.engine.generate import BlockAllocator
 from cachepoint.engine.tokenizer import BYTE_VOCAB_SIZE
-from cachepoint.scheduler.scheduler import Scheduler, engine_executor
-from cachepoint.scheduler.schemas import GenerateRequest
-from cachepoint.scheduler.settings import ReplicaSettings
+from cachepoint.protocol import GenerateRequest
+from cachepoint.replica.loop import TorchCore, engine_executor
+from cachepoint.replica.settings import ReplicaSettings
 
 BATCHES = (1, 8, 32)
 
@@ -133,7 +133,7 @@ async def _tiny_spans(
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    sched = Scheduler(
+    sched = TorchCore(
         engine, ReplicaSettings(name="bench", random_turn_tokens=0), engine_thread=thread
     )
     sched.tracer = provider.get_tracer("engine_bench")

@@ -42,8 +42,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import torch
 
 from cachepoint.bench.model_bench import Transformers, progress
+from cachepoint.gateway.db.migrate import upgrade
+from cachepoint.gateway.db.session import make_engine, make_sessionmaker
+from cachepoint.gateway.tenancy.tenants import create_key, create_org
+from cachepoint.replica.model_source import preset_path
+from cachepoint.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -208,10 +214,6 @@ def measure_replica(url: str, prompt: list[int], args: argparse.Namespace, fig: 
 
 
 def seed_gateway_db(db: str) -> str:
-    from cachepoint.gateway.db.migrate import upgrade
-    from cachepoint.gateway.db.session import make_engine, make_sessionmaker
-    from cachepoint.gateway.tenants import create_key, create_org
-
     engine = make_engine(db)
     upgrade(engine)
     with make_sessionmaker(engine)() as s:
@@ -314,11 +316,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown engines: {sorted(unknown)}")
     if "vllm" in engines and not (ENGINES["vllm"][0] / "cachepoint-replica").exists():
         ap.error("no .venv-vllm: run `make vllm` first")
-
-    import torch
-
-    from cachepoint.scheduler.model_source import preset_path
-    from cachepoint.tokenizer import load_tokenizer
 
     torch.set_num_threads(args.threads)
     gguf = preset_path("smollm2")

@@ -53,7 +53,10 @@ REUSE_RTOL = 0.05  # max |cold - cached| over max |cold|, bf16 through every lay
 
 def _import_cachepoint() -> None:
     """Make ``cachepoint.engine`` importable from this checkout without installing it
-    (the GPU machine has no network and no install step): the folders setup.py maps."""
+    (the GPU machine has no network and no install step): the folders setup.py maps.
+
+    NOTE: so every import of cachepoint in this script sits in the function that uses
+    it, run after this one; one at the top would fail before it could run."""
     try:
         import cachepoint.engine  # noqa: F401
 
@@ -115,6 +118,7 @@ TINY = Sizes(
 
 
 def llama3_8b() -> Any:
+    # NOTE: cachepoint loads only after _import_cachepoint() (main): no install here.
     from cachepoint.engine import ModelConfig
 
     return ModelConfig(
@@ -169,6 +173,7 @@ def _table(ctx: Ctx, n_tokens: int) -> list[int]:
 
 
 def _prefill(ctx: Ctx, ids: list[int], table: list[int], cached: int = 0) -> torch.Tensor:
+    # NOTE: cachepoint loads only after _import_cachepoint() (main): no install here.
     from cachepoint.engine import PrefillRequest
 
     out = ctx.engine.prefill([PrefillRequest(ids, table, cached)])
@@ -209,6 +214,7 @@ def attention_case(sizes: Sizes, device: torch.device, dtype: torch.dtype) -> tu
 
 
 def check_attention(ctx: Ctx) -> None:
+    # NOTE: cachepoint loads only after _import_cachepoint() (main): no install here.
     from cachepoint.engine.attention_cuda import (
         cuda_paged_attention,
         cuda_paged_attention_available,
@@ -284,6 +290,7 @@ def check_ttft(ctx: Ctx, n: int) -> None:
 
 
 def check_decode(ctx: Ctx, batch: int) -> None:
+    # NOTE: cachepoint loads only after _import_cachepoint() (main): no install here.
     from cachepoint.engine import DecodeRequest
 
     s, bs = ctx.sizes, ctx.engine.block_size
@@ -366,6 +373,7 @@ def check_vllm(ctx: Ctx) -> None:
 
     from vllm import SamplingParams
 
+    # NOTE: cachepoint loads only after _import_cachepoint() (main): no install here.
     from cachepoint.engine import ModelConfig
 
     s = ctx.sizes
@@ -433,6 +441,99 @@ def check_vllm(ctx: Ctx) -> None:
                                 "prefix (its last block's prefill included)"))  # fmt: skip
 
 
+def check_vllm_retention(ctx: Ctx) -> None:
+    """Cachepoint's retention connector inside vLLM (issue 31): pin a prefix, flood a
+    small pool with other prompts (three pools' worth), then read the pinned prefix
+    again. An unpinned control prefix sent before the flood must be gone (the pressure
+    was real), the pinned one reused whole. With --kv-host-bytes on a GPU, vLLM's host
+    tier runs behind it (MultiConnector)."""
+    if importlib.util.find_spec("vllm") is None:
+        ctx.rows.append(Row("vLLM retention", "SKIP", "-", "vllm is not installed in this Python"))
+        return
+    import json
+    import tempfile
+
+    from vllm import LLM, SamplingParams
+    from vllm.config.kv_transfer import KVTransferConfig
+
+    from cachepoint.engine import ModelConfig
+    from cachepoint.replica.settings import ReplicaSettings
+    from cachepoint.replica.vllm_engine.engine import connector_config
+    from cachepoint.replica.vllm_engine.pins import PARAMS_KEY
+
+    cpu = ctx.device.type == "cpu"
+    block = 32 if cpu else 16
+    pool = 256  # blocks: small, so three pools' worth of prompts is cheap
+    if ctx.args.tiny:
+        model = ModelConfig.tiny(hidden_size=128, num_heads=4, num_kv_heads=2)
+    else:
+        model = llama3_8b()
+    settings = ReplicaSettings(engine="vllm", kv_host_bytes=ctx.args.kv_host_bytes)
+    transfer = connector_config(settings, "cpu" if cpu else "cuda")
+    assert transfer is not None
+    with tempfile.TemporaryDirectory(prefix="gpu-check-vllm-ret-") as tmp:
+        folder = Path(tmp)
+        hf = model.to_hf_config()
+        hf["torch_dtype"] = "float32" if cpu else "bfloat16"
+        (folder / "config.json").write_text(json.dumps(hf))
+        t0 = time.perf_counter()
+        llm = LLM(
+            model=str(folder),
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            dtype="float32" if cpu else "bfloat16",
+            block_size=block,
+            enable_prefix_caching=True,
+            num_gpu_blocks_override=pool,
+            max_model_len=pool * block // 2,
+            enforce_eager=cpu,
+            seed=0,
+            kv_transfer_config=KVTransferConfig(**transfer),
+            **(
+                {"kv_cache_memory_bytes": 64 << 20}
+                if cpu
+                else {"gpu_memory_utilization": ctx.args.gpu_memory_utilization}
+            ),
+        )
+        built = f"{time.perf_counter() - t0:.1f} s"
+        name = str(transfer["kv_connector"])
+        ctx.rows.append(Row("vLLM retention: engine build", "INFO", built, name))
+        vocab = model.vocab_size
+        n = pool * block // 4  # a quarter of the pool, pinned
+
+        def ids(k: int) -> list[int]:
+            return [ctx.rng.randrange(vocab) for _ in range(k)]
+
+        def run(tokens: list[int], pins: list[dict[str, Any]] | None = None) -> Any:
+            extra = {"kv_transfer_params": {PARAMS_KEY: {"pins": pins}}} if pins else None
+            params = SamplingParams(max_tokens=1, temperature=0.0, extra_args=extra)
+            (out,) = llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)
+            return out
+
+        pinned, control = ids(n + 8), ids(n + 8)
+        report = run(pinned, [{"key": "gpu-check", "blocks": n // block, "ttl": 600.0}])
+        said = (report.kv_transfer_params or {}).get(PARAMS_KEY, {})
+        run(control)
+        t_flood = time.perf_counter()
+        for _ in range(3 * 4 + 1):  # three pools' worth, a quarter at a time
+            run(ids(n + 8))
+        flood = time.perf_counter() - t_flood
+        t = time.perf_counter()
+        again = run(pinned)
+        ttft = time.perf_counter() - t
+        gone = run(control).num_cached_tokens
+        ok = again.num_cached_tokens >= n and gone < n and said.get("pinned") == 1
+        ctx.rows.append(
+            Row(
+                f"vLLM retention: pin, pressure, read ({n} tok)",
+                "PASS" if ok else "FAIL",
+                f"{again.num_cached_tokens} reused",
+                f"control after the flood: {gone} reused; connector said {said}; "
+                f"TTFT of the read {ttft * 1e3:.1f} ms; flood {flood:.1f} s",
+            )
+        )
+
+
 def _run(ctx: Ctx, name: str, fn: Callable[[], None]) -> None:
     try:
         fn()
@@ -449,6 +550,7 @@ def _run(ctx: Ctx, name: str, fn: Callable[[], None]) -> None:
 
 
 def build_engine(ctx: Ctx) -> None:
+    # NOTE: cachepoint loads only after _import_cachepoint() (main): no install here.
     from cachepoint.engine import BlockAllocator, Engine, EngineConfig, ModelConfig
 
     s = ctx.sizes
@@ -534,6 +636,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch (default): Cachepoint's engine; vllm: vLLM's engine (issue 18); both",
     )
     p.add_argument(
+        "--kv-host-bytes",
+        default="0",
+        help="with --engine vllm on a GPU: vLLM's host tier behind the retention connector "
+        "(e.g. 8GiB; default 0: none; the CPU build has none)",
+    )
+    p.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
@@ -588,6 +696,9 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()  # vLLM sizes its pool from free memory too
     if args.engine in ("vllm", "both"):
         _run(ctx, "vLLM", functools.partial(check_vllm, ctx))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        _run(ctx, "vLLM retention", functools.partial(check_vllm_retention, ctx))
     ctx.rows.append(Row("wall time", "INFO", f"{time.perf_counter() - start:.1f} s"))
     print(render(ctx.rows))
     failed = [r.check for r in ctx.rows if r.status in ("FAIL", "ERROR")]

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import httpx
 
+from cachepoint.embedded.stack import free_port
 from cachepoint.gateway.db.migrate import upgrade
 from cachepoint.gateway.db.session import make_engine, make_sessionmaker
-from cachepoint.gateway.tenants import create_key, create_org
-from cachepoint.stack import free_port
+from cachepoint.gateway.tenancy.tenants import create_key, create_org
 
-ECHO_APP = "cachepoint.scheduler.echo:create_echo_app"
+ECHO_APP = "cachepoint.replica.echo:create_echo_app"
 
 
 def seed_orgs(db: str, names: Sequence[str]) -> dict[str, str]:

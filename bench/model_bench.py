@@ -41,7 +41,7 @@ try:
     from transformers.generation.streamers import BaseStreamer as BaseStreamerBase
 except ImportError:  # transformers is a test-only dependency
     BaseStreamerBase = object  # type: ignore[assignment,misc]
-from cachepoint.scheduler.model_source import preset_path
+from cachepoint.replica.model_source import preset_path
 
 CACHED_TARGET = 10.0  # cold TTFT / cached TTFT must reach this
 ROOT = Path(__file__).resolve().parents[1]

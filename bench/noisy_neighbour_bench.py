@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 from cachepoint.bench.loopback import echo_gateway, reset_peak, seed_orgs, status_kib
-from cachepoint.scheduler.model_source import preset_path
+from cachepoint.replica.model_source import preset_path
 
 SMALL = {
     "model": "cachepoint-tiny",

@@ -30,15 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-# NOTE: the one bench that still edits sys.path: it drives tests/operator's emulated
-# API server, kubelet and operator runner, which are test files (no package). They
-# must move into an importable test-support package before this line can go.
-sys.path.insert(0, str(ROOT))
+import kmock
 
-import kmock  # noqa: E402
-
-from tests.operator.conftest import (  # noqa: E402
+from cachepoint.bench.kube.cluster import (
     CR,
     Cluster,
     StatsServer,
@@ -47,7 +41,7 @@ from tests.operator.conftest import (  # noqa: E402
     run_kubelet,
     running_operator,
 )
-from tests.operator.emulator import ApiServer  # noqa: E402
+from cachepoint.bench.kube.emulator import ApiServer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

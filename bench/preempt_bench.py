@@ -26,12 +26,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from cachepoint.engine import Engine, EngineConfig, ModelConfig
-from cachepoint.scheduler.metrics import ReplicaMetrics
-from cachepoint.scheduler.random_model import RANDOM_CONTEXT
-from cachepoint.scheduler.scheduler import Scheduler, engine_executor
-from cachepoint.scheduler.schemas import GenerateRequest
-from cachepoint.scheduler.sequence import SequenceState
-from cachepoint.scheduler.settings import ReplicaSettings
+from cachepoint.protocol import GenerateRequest
+from cachepoint.replica.loop import TorchCore, engine_executor
+from cachepoint.replica.metrics import ReplicaMetrics
+from cachepoint.replica.random_model import RANDOM_CONTEXT
+from cachepoint.replica.sequence import SequenceState
+from cachepoint.replica.settings import ReplicaSettings
 
 NAME = "preempt-bench"
 
@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build(
     args: argparse.Namespace, thread: ThreadPoolExecutor
-) -> tuple[Scheduler, ReplicaMetrics, int]:
+) -> tuple[TorchCore, ReplicaMetrics, int]:
     """The engine, built on ``thread`` (as the replica builds it: see engine_executor),
     and a scheduler stepping it there on a pool of the asked size; returns its blocks."""
     seq_len = args.prompt + args.max_tokens
@@ -109,7 +109,7 @@ def build(
     )
     # NOTE: on a GPU the engine sizes its pool by free memory; the scheduler's cap makes
     # the pool the asked size there too.
-    sched = Scheduler(
+    sched = TorchCore(
         engine, settings, num_blocks=min(blocks, engine.num_blocks), engine_thread=thread
     )
     return sched, ReplicaMetrics(sched), sched.pool.num_blocks

@@ -27,9 +27,9 @@ import anthropic
 import httpx
 
 from cachepoint.billing import Price, buckets, cost_micros
+from cachepoint.embedded.stack import Stack, free_port
 from cachepoint.gateway.db.session import make_engine, make_sessionmaker
-from cachepoint.gateway.tenants import create_key, create_org
-from cachepoint.stack import Stack, free_port
+from cachepoint.gateway.tenancy.tenants import create_key, create_org
 
 PRICE = Price(3_000_000, 15_000_000)
 TOPICS = ["kettles", "bicycles", "tax forms", "greenhouses", "violins", "sailboats", "bonsai"]
@@ -173,8 +173,10 @@ def main() -> None:
     ap.add_argument("--preset", default="small", choices=["tiny", "small"], help="replica model")
     ap.add_argument(
         "--kv-budget",
-        default="32MiB",
-        help="KV memory per replica (32MiB: the least that fits one max-length sequence)",
+        default="8MiB",
+        help="KV memory per replica (8MiB: less than the workload's prefixes, so a policy "
+        "that scatters a tenant loses them; since the tiny model counts SmolLM2's BPE "
+        "tokens, the prompts fit 32MiB and round-robin read them too)",
     )
     ap.add_argument("--policies", default="cache_aware,round_robin,least_loaded")
     args = ap.parse_args()

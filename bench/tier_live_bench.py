@@ -52,10 +52,10 @@ import anthropic
 import httpx
 
 from cachepoint.bench.usage_ledger import usage_rows
+from cachepoint.embedded.stack import Stack, StackError, free_port
 from cachepoint.gateway.db.session import make_engine, make_sessionmaker
-from cachepoint.gateway.tenants import create_key, create_org
-from cachepoint.scheduler.settings import parse_bytes
-from cachepoint.stack import Stack, StackError, free_port
+from cachepoint.gateway.tenancy.tenants import create_key, create_org
+from cachepoint.replica.settings import parse_bytes
 
 BUCKETS = ("input", "cache_read", "cache_write_5m", "cache_write_1h", "output")
 TOPICS = ["kettles", "bicycles", "tax forms", "greenhouses", "violins", "sailboats", "bonsai"]

@@ -23,7 +23,7 @@ import anthropic
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from cachepoint.demo_session import (
+from cachepoint.embedded.demo_session import (
     MAX_TOKENS,
     SCOPE_BETA,
     TOOLS,
@@ -31,7 +31,7 @@ from cachepoint.demo_session import (
     next_request,
     system_blocks,
 )
-from cachepoint.stack import Stack, free_port
+from cachepoint.embedded.stack import Stack, free_port
 
 
 def pct(xs: list[float], p: float) -> float:

@@ -28,7 +28,7 @@ COPY services services
 COPY gateway gateway
 COPY operator operator
 RUN /opt/venv/bin/pip install --constraint docker/constraints-vllm.txt ".[replica]" \
- && /opt/venv/bin/python -c "import vllm, cachepoint.scheduler.vllm_engine.core" \
+ && /opt/venv/bin/python -c "import vllm, cachepoint.replica.vllm_engine.core" \
  && /opt/venv/bin/cachepoint-replica --help > /dev/null
 
 # ---- run: the same base, the venv copied over, as an unprivileged user

@@ -11,13 +11,12 @@ from opentelemetry.trace import Span
 from starlette.concurrency import run_in_threadpool
 
 from cachepoint.billing import Buckets
-
-from .ledger import Attribution, Charge
-from .pipeline import Prepared
-from .schemas.messages import MessagesRequest
-from .state import GatewayState
-from .tenants import KeyContext
-from .tracing import usage_attributes
+from cachepoint.gateway.billing.ledger import Attribution, Charge
+from cachepoint.gateway.observability.tracing import usage_attributes
+from cachepoint.gateway.pipeline import Prepared
+from cachepoint.gateway.schemas.messages import MessagesRequest
+from cachepoint.gateway.state import GatewayState
+from cachepoint.gateway.tenancy.tenants import KeyContext
 
 log = logging.getLogger(__name__)
 

@@ -9,20 +9,18 @@ import httpx
 from fastapi import FastAPI
 from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
 
+from cachepoint.gateway.api import errors, openapi
+from cachepoint.gateway.api.middleware import RequestIdMiddleware
+from cachepoint.gateway.api.routes import admin, health, messages, models, reports
+from cachepoint.gateway.contract.template import build_renderer, checkpoint_context_window
+from cachepoint.gateway.db.migrate import upgrade
+from cachepoint.gateway.db.session import make_engine, make_sessionmaker
+from cachepoint.gateway.fleet.bus import event_plane
+from cachepoint.gateway.fleet.routing import DirectoryRouter, Router
+from cachepoint.gateway.observability.metrics import listen
+from cachepoint.gateway.settings import GatewaySettings
+from cachepoint.gateway.state import GatewayState
 from cachepoint.telemetry import Telemetry, configure, instrument_server
-
-from .api import errors, openapi
-from .api.middleware import RequestIdMiddleware
-from .api.routes import admin, health, messages, models, reports
-from .bus import event_plane
-from .contract.template import build_renderer, checkpoint_context_window
-from .db.migrate import upgrade
-from .db.session import make_engine, make_sessionmaker
-from .metrics import listen
-from .routing import DirectoryRouter
-from .settings import GatewaySettings
-from .state import GatewayState
-from .upstream import Router
 
 # NOTE: a pod may start before its database; wait this long for it, inside the chart's
 # startup probe budget (30 x 5 s), then fail the start with a clear error.
@@ -64,8 +62,8 @@ def create_app(
             chosen = router or DirectoryRouter(
                 directory,
                 http,
-                settings.routing_policy,
-                settings.block_size,
+                policy=settings.routing_policy,
+                block_size=settings.block_size,
                 nats_up=lambda: bus.connected,
             )
             app.state.gateway = GatewayState(

@@ -7,9 +7,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from cachepoint.serve import serve, settings_from_flags
-
-from .settings import GatewaySettings
+from cachepoint.gateway.observability import requestlog
+from cachepoint.gateway.settings import GatewaySettings
+from cachepoint.runtime.serve import serve, settings_from_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,11 +154,11 @@ def parse(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, Gatewa
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, settings = parse(argv)
-    from . import requestlog
-
     requestlog.always_log()  # one line per Messages request, whatever --log-level says
-
-    from .app import create_app
+    # NOTE: here, not at the top: start-up time. The app (FastAPI, the database layer,
+    # the request path) doubles the command's imports; --help and a usage error need
+    # none of it.
+    from cachepoint.gateway.app import create_app
 
     serve(
         lambda: create_app(settings),

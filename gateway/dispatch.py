@@ -1,4 +1,6 @@
-"""Choosing a replica and talking to it: one generation, streamed or collected.
+"""Talking to the chosen replica on the request path: one generation, streamed or
+collected, its events checked against what was sent, and rerouted when a replica
+refuses it before anything ran.
 
 A non-streaming request also runs as the replica's event stream, so that a client who
 hangs up can stop it: closing the stream makes the replica abort the generation, and
@@ -14,16 +16,27 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .errors import ApiError
-from .pipeline import ReportLimits, UsageReportError, buckets_of, check_output
-from .state import GatewayState
-from .upstream import (
+from cachepoint.gateway.errors import ApiError
+from cachepoint.gateway.fleet.routing import Routed, RouteRequest, decide
+from cachepoint.gateway.fleet.upstream import (
     ReplicaClient,
     ReplicaRefusedError,
     ReplicaStreamError,
     ReplicaUnreachableError,
-    Routed,
-    RouteRequest,
+    UsageReportError,
+)
+from cachepoint.gateway.pipeline import ReportLimits, buckets_of, check_output
+from cachepoint.gateway.state import GatewayState
+from cachepoint.protocol import (
+    CacheReport,
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    GenerateRequest,
+    GenerateResponse,
+    PrefillDoneEvent,
+    TokenEvent,
+    event_name,
 )
 
 log = logging.getLogger(__name__)
@@ -32,28 +45,14 @@ log = logging.getLogger(__name__)
 # generation) checks that its client is still there; the replica's own disconnect poll
 # is 0.2 s, and a check is one non-blocking receive.
 DISCONNECT_POLL_S = 0.1
-STOPS = ("end_turn", "max_tokens", "stop_sequence")  # the stop reasons a replica may give
 # NOTE: a rolling update drains one replica at a time (maxUnavailable), so two more
 # tries reach a serving one; a bound keeps a fleet-wide outage from looping.
 MAX_REROUTES = 2
 
 
 def pick(state: GatewayState, route: RouteRequest) -> Routed:
-    with state.tracer.start_as_current_span("route") as span:
-        try:
-            routed = state.router.pick(route)
-        except ApiError:
-            state.metrics.route_decisions.labels("-", "no_replica").inc()
-            raise
-        policy = routed.decision.policy if routed.decision else "static"
-        state.metrics.route_decisions.labels(policy, "routed").inc()
-        span.set_attribute("cachepoint.route.replica", routed.replica.name)
-        if routed.decision is not None:
-            span.set_attributes(routed.decision.span_attributes())
-        age = state.router.freshness_s(routed.replica.name)
-        if age is not None:
-            span.set_attribute("cachepoint.route.index_age_s", age)
-        return routed
+    """The app's router's choice for ``route``, traced and counted."""
+    return decide(state.router, route, tracer=state.tracer, metrics=state.metrics)
 
 
 def reject_report(state: GatewayState, replica: str, exc: UsageReportError) -> None:
@@ -69,13 +68,21 @@ def stream_broke(state: GatewayState, replica: str, exc: ReplicaStreamError) -> 
     state.router.report_failure(replica)
 
 
-def error_of(event: dict[str, Any]) -> ApiError:
-    """An ``error`` line from the replica as the error the client sees."""
-    err = event.get("error")
-    err = err if isinstance(err, dict) else {}
-    kind = str(err.get("type", "api_error"))
+def error_of(event: ErrorEvent) -> ApiError:
+    """An error event from the replica as the error the client sees."""
+    kind = event.error.type
     status = 529 if kind == "overloaded_error" else 500
-    return ApiError(status, kind, str(err.get("message", "replica failed")))
+    return ApiError(status, kind, event.error.message)
+
+
+def check_final(done: DoneEvent, output_tokens: int) -> GenerateResponse:
+    """The final response, once its output count agrees with the token events seen."""
+    result = done.response
+    if result.output_tokens != output_tokens:
+        raise UsageReportError(
+            f"final output_tokens {result.output_tokens!r} after {output_tokens} token events"
+        )
+    return result
 
 
 @dataclass(slots=True)
@@ -83,28 +90,25 @@ class Opened:
     """An upstream event stream whose prefill is done and whose report checked out."""
 
     replica: ReplicaClient  # who generates
-    events: AsyncIterator[dict[str, Any]]  # the token, done and error lines
-    cache: dict[str, Any]  # the replica's cache report, checked against the prompt
+    events: AsyncIterator[Event]  # the token, done and error events
+    cache: CacheReport  # the replica's cache report, checked against the prompt
     stack: AsyncExitStack  # closing it closes the connection: the replica aborts
 
 
 async def _open_once(
-    state: GatewayState, replica: ReplicaClient, payload: dict[str, Any], limits: ReportLimits
+    state: GatewayState, replica: ReplicaClient, request: GenerateRequest, limits: ReportLimits
 ) -> Opened:
     stack = AsyncExitStack()
     try:
-        events = await stack.enter_async_context(replica.stream(payload))
+        events = await stack.enter_async_context(replica.stream(request))
         first = await anext(events)
-        kind = first.get("type")
-        if kind == "error":
+        if isinstance(first, ErrorEvent):
             raise error_of(first)
-        if kind != "prefill_done":
-            raise UsageReportError(f"first event {str(kind)[:40]!r}, not prefill_done")
-        cache = first.get("cache")
-        if not isinstance(cache, dict):
-            raise UsageReportError("prefill_done without a cache report")
-        buckets_of(cache, 0, limits)
-        return Opened(replica, events, cache, stack)
+        if not isinstance(first, PrefillDoneEvent):
+            expected = event_name(PrefillDoneEvent)
+            raise UsageReportError(f"first event {first.type[:40]!r}, not {expected}")
+        buckets_of(first.cache, 0, limits)
+        return Opened(replica=replica, events=events, cache=first.cache, stack=stack)
     except BaseException as exc:
         await stack.aclose()
         if isinstance(exc, UsageReportError):
@@ -118,9 +122,10 @@ async def _open_once(
 
 async def open_stream(
     state: GatewayState,
+    *,
     route: RouteRequest,
     routed: Routed,
-    payload: dict[str, Any],
+    request: GenerateRequest,
     limits: ReportLimits,
 ) -> Opened:
     """Open the replica's stream and wait for its prefill. A replica that is down (it is
@@ -130,7 +135,7 @@ async def open_stream(
     tried: list[str] = []
     while True:
         try:
-            return await _open_once(state, routed.replica, payload, limits)
+            return await _open_once(state, routed.replica, request, limits)
         except (ReplicaUnreachableError, ReplicaRefusedError) as exc:
             name = routed.replica.name
             if isinstance(exc, ReplicaUnreachableError):
@@ -174,16 +179,18 @@ async def _watch(
 
 async def open_watched(
     state: GatewayState,
+    *,
     route: RouteRequest,
     routed: Routed,
-    payload: dict[str, Any],
+    request: GenerateRequest,
     limits: ReportLimits,
     client_gone: Callable[[], Awaitable[bool]],
 ) -> Opened | None:
     """``open_stream``, or None if the client hangs up while the request is queued or
     prefilling: the connection is closed, and the replica drops the request before its
     prefill commits (no ``prefill_done``, so nothing to bill)."""
-    task = asyncio.ensure_future(open_stream(state, route, routed, payload, limits))
+    opening = open_stream(state, route=route, routed=routed, request=request, limits=limits)
+    task = asyncio.ensure_future(opening)
     if await _watch(task, client_gone):
         return task.result()
     return None
@@ -194,43 +201,35 @@ class Generation:
     """A collected generation: finished, or stopped because the client went away."""
 
     replica: str  # who generated (who was asked, until a prefill is done)
-    cache: dict[str, Any] | None  # the checked cache report; None: stopped before prefill_done
+    cache: CacheReport | None  # the checked cache report; None: stopped before prefill_done
     output_tokens: int  # tokens generated (token events received)
-    result: dict[str, Any] | None  # the replica's final response; None when stopped
+    result: GenerateResponse | None  # the replica's final response; None when stopped
 
 
 async def _collect(opened: Opened, gen: Generation, limits: ReportLimits) -> None:
     async for ev in opened.events:
-        kind = ev.get("type")
-        if kind == "token":
+        if isinstance(ev, TokenEvent):
             gen.output_tokens = check_output(gen.output_tokens + 1, limits)
-        elif kind == "done":
-            result = ev.get("response")
-            if not isinstance(result, dict) or result.get("output_tokens") != gen.output_tokens:
-                got = result.get("output_tokens") if isinstance(result, dict) else None
-                raise UsageReportError(
-                    f"final output_tokens {got!r} after {gen.output_tokens} token events"
-                )
-            if not isinstance(result.get("text"), str) or result.get("stop_reason") not in STOPS:
-                raise ReplicaStreamError(opened.replica.name, "malformed final response")
-            gen.result = result
+        elif isinstance(ev, DoneEvent):
+            gen.result = check_final(ev, gen.output_tokens)
             return
-        elif kind == "error":
+        elif isinstance(ev, ErrorEvent):
             raise error_of(ev)
     raise ReplicaStreamError(opened.replica.name, "stream ended before done")
 
 
 async def _run(
     state: GatewayState,
+    *,
     route: RouteRequest,
     routed: Routed,
-    payload: dict[str, Any],
+    request: GenerateRequest,
     limits: ReportLimits,
     gen: Generation,
 ) -> None:
     """Open, wait for the prefill and collect: one task, so that a hang-up at any point
     closes the connection (cancelled, the stack closes it) and the replica stops."""
-    opened = await open_stream(state, route, routed, payload, limits)
+    opened = await open_stream(state, route=route, routed=routed, request=request, limits=limits)
     gen.replica, gen.cache = opened.replica.name, opened.cache
     async with opened.stack:
         try:
@@ -245,9 +244,10 @@ async def _run(
 
 async def generate(
     state: GatewayState,
+    *,
     route: RouteRequest,
     routed: Routed,
-    payload: dict[str, Any],
+    request: GenerateRequest,
     limits: ReportLimits,
     client_gone: Callable[[], Awaitable[bool]] | None,
 ) -> Generation:
@@ -255,7 +255,8 @@ async def generate(
     (then ``result`` is None and ``output_tokens`` is what was generated before the
     replica was told to stop; ``cache`` is None too if it was still queued or
     prefilling). ``client_gone`` None: run to the end regardless."""
-    gen = Generation(routed.replica.name, None, 0, None)
-    task = asyncio.ensure_future(_run(state, route, routed, payload, limits, gen))
+    gen = Generation(replica=routed.replica.name, cache=None, output_tokens=0, result=None)
+    run = _run(state, route=route, routed=routed, request=request, limits=limits, gen=gen)
+    task = asyncio.ensure_future(run)
     await _watch(task, client_gone)
     return gen

@@ -1,6 +1,7 @@
-"""From a Messages request to a replica payload, and from the replica's reply to usage.
+"""From a Messages request to the replica's generate request, and from the replica's
+reply to usage.
 
-The route handlers stay thin: they call `prepare`, send the payload, then `usage_of`
+The route handlers stay thin: they call `prepare`, send its request, then `usage_of`
 and the ledger.
 """
 
@@ -10,24 +11,31 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cachepoint.billing import BillingError, Buckets, buckets
-
-from .contract.breakpoints import CachePlan, ContractError, resolve
-from .contract.encoding import PromptTooLong
-from .contract.render import RenderedPrompt, Renderer, degraded_headers
-from .contract.toolcalls import NO_FORCING, Forcing, forcing
-from .errors import ApiError, invalid
-from .ledger import NO_ATTRIBUTION, Attribution
-from .profiles import profile_of
-from .schemas.messages import CacheCreation, MessagesRequest, ThinkingEnabled, Usage
-from .settings import GatewaySettings
-from .tenants import KeyContext
+from cachepoint.gateway.billing.ledger import NO_ATTRIBUTION, Attribution
+from cachepoint.gateway.contract.breakpoints import CachePlan, ContractError, resolve
+from cachepoint.gateway.contract.encoding import PromptTooLong
+from cachepoint.gateway.contract.prompt import RenderedPrompt
+from cachepoint.gateway.contract.render import Renderer, degraded_headers
+from cachepoint.gateway.contract.toolcalls import NO_FORCING, Forcing, forcing
+from cachepoint.gateway.errors import invalid
+from cachepoint.gateway.fleet.upstream import UsageReportError
+from cachepoint.gateway.profiles import profile_of
+from cachepoint.gateway.schemas.messages import (
+    CacheCreation,
+    MessagesRequest,
+    ThinkingEnabled,
+    Usage,
+)
+from cachepoint.gateway.settings import GatewaySettings
+from cachepoint.gateway.tenancy.tenants import KeyContext
+from cachepoint.protocol import BreakpointIn, CacheReport, GenerateRequest, KeySpanIn
 
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
     rendered: RenderedPrompt  # tokens and block spans
     plan: CachePlan  # breakpoints, key spans, scope
-    payload: dict[str, Any]  # the replica's /v1/generate body
+    payload: GenerateRequest  # the replica's /v1/generate body
     forcing: Forcing = NO_FORCING  # the answer's forced opening (tool_choice any/tool)
     who: Attribution = NO_ATTRIBUTION  # session, user and requested model, for the ledger
     # cachepoint-degraded header ({} when nothing was); found here, in the intake thread,
@@ -137,6 +145,7 @@ def output_room(prompt_tokens: int, max_tokens: int, window: int, clamp: bool) -
 
 def prepare(
     req: MessagesRequest,
+    *,
     ctx: KeyContext,
     betas: set[str],
     settings: GatewaySettings,
@@ -150,41 +159,39 @@ def prepare(
     profile = profile_of(settings, req.model)
     max_tokens = output_room(n, req.max_tokens, profile.context_window, settings.clamp_max_tokens)
     plan = plan_cache(rendered, req, ctx, betas, settings)
-    payload: dict[str, Any] = {
-        "request_id": request_id,
-        "token_ids": rendered.tokens.tolist(),
-        "key_spans": [{"start_block": s, "extra_keys": list(k)} for s, k in plan.key_spans],
-        "breakpoints": [
-            {
-                "position": bp.position,
-                "ttl": bp.ttl,
-                "extra_keys": list(bp.extra_keys),
-                "boundaries": list(bp.boundaries),
-            }
+    # NOTE: built unvalidated (model_construct): the replica validates what it is sent
+    # and answers what breaks its limits (a 400 the client sees, as before the types),
+    # and validating a long prompt's token list here would cost as much as encoding it.
+    payload = GenerateRequest.model_construct(
+        request_id=request_id,
+        token_ids=rendered.tokens.tolist(),
+        key_spans=[
+            KeySpanIn.model_construct(start_block=s, extra_keys=list(k)) for s, k in plan.key_spans
+        ],
+        breakpoints=[
+            BreakpointIn.model_construct(
+                position=bp.position,
+                ttl=bp.ttl,
+                extra_keys=list(bp.extra_keys),
+                boundaries=list(bp.boundaries),
+            )
             for bp in plan.breakpoints
         ],
-        "max_tokens": max_tokens,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": req.top_p or 1.0,
-        "top_k": req.top_k or 0,
-        "stop_sequences": (req.stop_sequences or []) + ([forced.stop] if forced.stop else []),
-        "stop_token_ids": list(profile.stop_token_ids),
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=req.top_p or 1.0,
+        top_k=req.top_k or 0,
+        stop_sequences=(req.stop_sequences or []) + ([forced.stop] if forced.stop else []),
+        stop_token_ids=list(profile.stop_token_ids),
         # NOTE: retention is charged to the org whatever the cache key (global scope,
         # tenant_scope=workspace): the quota is the org's (docs/gateway.md, Tenancy).
-        "retention_owner": f"org:{ctx.org_id}",
-        "owner_retained_share": ctx.retained_share,
-    }
+        retention_owner=f"org:{ctx.org_id}",
+        owner_retained_share=ctx.retained_share,
+        # NOTE: the gateway reads every generation as the replica's event stream, even
+        # one the client wants whole (dispatch.py): so that a hang-up can stop it.
+        stream=True,
+    )
     return Prepared(rendered, plan, payload, forced, who, degraded_headers(req))
-
-
-class UsageReportError(ApiError):
-    """A replica's usage report that cannot be true for the request it was sent: the
-    request fails with an api_error, nothing is billed from it, and the replica is
-    reported."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(500, "api_error", f"replica sent an unusable usage report: {reason}")
-        self.reason = reason  # what did not add up, for the log line
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,7 +203,7 @@ class ReportLimits:
 
     @classmethod
     def of(cls, prepared: Prepared) -> ReportLimits:
-        return cls(len(prepared.rendered), int(prepared.payload["max_tokens"]))
+        return cls(len(prepared.rendered), prepared.payload.max_tokens)
 
 
 def check_output(output_tokens: int, limits: ReportLimits) -> int:
@@ -205,24 +212,15 @@ def check_output(output_tokens: int, limits: ReportLimits) -> int:
     return output_tokens
 
 
-def buckets_of(cache: dict[str, Any], output_tokens: int, limits: ReportLimits) -> Buckets:
+def buckets_of(cache: CacheReport, output_tokens: int, limits: ReportLimits) -> Buckets:
     """The replica's cache report is the only source; engine hits without a marker are
     not reads (contract §3). NOTE: the report is checked against what was sent, because
     a replica (or something posing as one) is not trusted to bill: the prompt length
-    must match, the cached buckets must fit in it, and output is capped by max_tokens."""
-    try:
-        fields = (
-            cache["prompt_tokens"],
-            cache["entry_hit_tokens"],
-            cache["written_5m_tokens"],
-            cache["written_1h_tokens"],
-        )
-    except (KeyError, TypeError) as exc:
-        raise UsageReportError(f"missing {exc}") from exc
-    # NOTE: bool is an int subclass and float/str would be silently coerced by int().
-    if not all(type(v) is int for v in fields):
-        raise UsageReportError(f"non-integer token counts {fields!r}")
-    prompt, read, w5, w1 = fields
+    must match, the cached buckets must fit in it, and output is capped by max_tokens.
+    (That its counts are integers at all, not ``1.5`` or ``true``, the strict decoding
+    of its event saw to: cachepoint.protocol.decode_event.)"""
+    prompt, read = cache.prompt_tokens, cache.entry_hit_tokens
+    w5, w1 = cache.written_5m_tokens, cache.written_1h_tokens
     if prompt != limits.prompt_tokens:
         raise UsageReportError(f"prompt_tokens {prompt} for a {limits.prompt_tokens}-token prompt")
     check_output(output_tokens, limits)

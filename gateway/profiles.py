@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .settings import GatewaySettings
+from cachepoint.gateway.settings import GatewaySettings
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,10 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cachepoint.events.subjects import check_replica_name
+from cachepoint.gateway.tenancy.aliases import check_alias, check_target
 from cachepoint.routing import DEFAULT_POLICY
-from cachepoint.serve import shared_env
-
-from .aliases import check_alias, check_target
+from cachepoint.runtime.serve import shared_env
 
 DEFAULT_DB = "sqlite:///.cachepoint/cachepoint.db"
 

@@ -10,16 +10,15 @@ from opentelemetry import trace
 from sqlalchemy.orm import Session, sessionmaker
 
 from cachepoint.billing import Price, cost_micros
-
-from . import requestlog
-from .contract.render import Renderer
-from .intake import BodyLimits, IntakePool
-from .ledger import Charge, price_for, record_on
-from .metrics import GatewayMetrics
-from .ratelimit import Limits, RateLimiter
-from .settings import GatewaySettings
-from .tenants import KeyContext, authenticate, hash_key
-from .upstream import Router
+from cachepoint.gateway.billing.ledger import Charge, price_for, record_on
+from cachepoint.gateway.contract.render import Renderer
+from cachepoint.gateway.fleet.routing import Router
+from cachepoint.gateway.intake import BodyLimits, IntakePool
+from cachepoint.gateway.observability import requestlog
+from cachepoint.gateway.observability.metrics import GatewayMetrics
+from cachepoint.gateway.settings import GatewaySettings
+from cachepoint.gateway.tenancy.ratelimit import Limits, RateLimiter
+from cachepoint.gateway.tenancy.tenants import KeyContext, authenticate, hash_key
 
 
 @dataclass(slots=True)

@@ -16,18 +16,19 @@ from fastapi.responses import StreamingResponse
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
-from .accounting import bill, charge_of
-from .contract.context_edits import report
-from .contract.toolcalls import Part, TextPart, ToolCallParser, offered
-from .dispatch import Opened, error_of, reject_report, stream_broke
-from .errors import ApiError, envelope
-from .idempotency import Claim
-from .ledger import Charge
-from .pipeline import Prepared, ReportLimits, UsageReportError, buckets_of, check_output, usage_of
-from .schemas.messages import MessagesRequest
-from .state import GatewayState
-from .tenants import KeyContext
-from .upstream import ReplicaStreamError
+from cachepoint.gateway.accounting import bill, charge_of
+from cachepoint.gateway.billing.ledger import Charge
+from cachepoint.gateway.contract.context_edits import report
+from cachepoint.gateway.contract.toolcalls import Part, TextPart, ToolCallParser, offered
+from cachepoint.gateway.dispatch import Opened, check_final, error_of, reject_report, stream_broke
+from cachepoint.gateway.errors import ApiError, envelope
+from cachepoint.gateway.fleet.upstream import ReplicaStreamError, UsageReportError
+from cachepoint.gateway.pipeline import Prepared, ReportLimits, buckets_of, check_output, usage_of
+from cachepoint.gateway.schemas.messages import MessagesRequest
+from cachepoint.gateway.state import GatewayState
+from cachepoint.gateway.tenancy.idempotency import Claim
+from cachepoint.gateway.tenancy.tenants import KeyContext
+from cachepoint.protocol import CacheReport, DoneEvent, ErrorEvent, GenerateResponse, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class _Blocks:
         return [_event("content_block_stop", index=self.index)]
 
 
-def _track_progress(job: StreamJob, cache: Any, progress: _Progress) -> None:
+def _track_progress(job: StreamJob, cache: CacheReport, progress: _Progress) -> None:
     """A keyed stream's charge so far (its input buckets, and the output tokens whose
     text went out) is recorded on its idempotency row now and then at most once a
     second: if this gateway dies mid-stream, the retry that takes the key over bills
@@ -254,7 +255,7 @@ async def _relay(job: StreamJob) -> AsyncIterator[bytes]:
             for chunk in blocks.text(""):
                 yield out(chunk)
         yield out(sse("ping", {"type": "ping"}))
-        final: dict[str, Any] | None = None
+        final: GenerateResponse | None = None
         while final is None:
             t = time.perf_counter()
             try:
@@ -263,11 +264,10 @@ async def _relay(job: StreamJob) -> AsyncIterator[bytes]:
                 raise ApiError(500, "api_error", "replica stream ended early") from None
             finally:
                 waited += time.perf_counter() - t
-            kind = ev.get("type")
-            if kind == "token":
+            if isinstance(ev, TokenEvent):
                 progress.pending += 1
                 check_output(progress.delivered + progress.pending, job.limits)
-                text = str(ev.get("text") or "")
+                text = ev.text
                 chunks: list[bytes] = []
                 if parser is not None:
                     for part in parser.feed(text):
@@ -281,22 +281,15 @@ async def _relay(job: StreamJob) -> AsyncIterator[bytes]:
                     # taken the chunk: from here these tokens count as delivered.
                     progress.delivered += progress.pending
                     progress.pending = 0
-            elif kind == "done":
-                final = ev.get("response")
-                if not isinstance(final, dict):
-                    raise UsageReportError("done event without a response")
-            elif kind == "error":
+            elif isinstance(ev, DoneEvent):
+                final = check_final(ev, progress.delivered + progress.pending)
+            elif isinstance(ev, ErrorEvent):
                 raise error_of(ev)
-        out_tokens = final.get("output_tokens")
-        if out_tokens != progress.delivered + progress.pending:
-            raise UsageReportError(
-                f"final output_tokens {out_tokens!r} after "
-                f"{progress.delivered + progress.pending} token events"
-            )
+        out_tokens = final.output_tokens
         # The stop string the gateway added is not in the replica's text; the call
         # it closes is.
         closing_text, stop_reason, stop_sequence = forced.settle(
-            "", final.get("stop_reason"), final.get("stop_sequence")
+            "", final.stop_reason, final.stop_sequence
         )
         closing_text = closing_text[len(forced.prefix) :]
         tail: list[bytes] = []

@@ -12,15 +12,15 @@ from typing import Any
 
 import kopf
 
-from . import kube
-from .config import OperatorConfig
-from .disruption import build_replica_pdb, pdb_drift, pdb_name
-from .members import Plan, observe, plan
-from .naming import selector_string, service_name
-from .network import build_replica_network_policy, network_policy_drift
-from .pod import build_replica_pod, template_hash
-from .service import build_replica_service, service_drift
-from .spec import ReplicaSpec
+from cachepoint.operator import kube
+from cachepoint.operator.config import OperatorConfig
+from cachepoint.operator.disruption import build_replica_pdb, pdb_drift, pdb_name
+from cachepoint.operator.members import Plan, observe, plan
+from cachepoint.operator.naming import selector_string, service_name
+from cachepoint.operator.network import build_replica_network_policy, network_policy_drift
+from cachepoint.operator.pod import build_replica_pod, template_hash
+from cachepoint.operator.service import build_replica_service, service_drift
+from cachepoint.operator.spec import ReplicaSpec
 
 
 class ForeignChild(Exception):

@@ -13,10 +13,10 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from . import kube
-from .config import OperatorConfig
-from .naming import USERS_RECORD_KEY, credentials_secret_name
-from .nats_auth import (
+from cachepoint.operator import kube
+from cachepoint.operator.config import OperatorConfig
+from cachepoint.operator.naming import USERS_RECORD_KEY, credentials_secret_name
+from cachepoint.operator.nats_auth import (
     MemberCredentials,
     build_credentials_secret,
     build_users_data,

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .naming import common_labels
-from .spec import ReplicaSpec
+from cachepoint.operator.naming import common_labels
+from cachepoint.operator.spec import ReplicaSpec
 
 
 def pdb_name(replica: str) -> str:

@@ -29,13 +29,20 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from . import children, credentials, kube, stats
-from .config import OperatorConfig
-from .members import Plan
-from .naming import FINALIZER, GROUP, LABEL_REPLICA, PLURAL, VERSION, common_labels
-from .pod import template_hash
-from .spec import SpecError, check
-from .status import build_invalid_status, build_status, set_condition
+from cachepoint.operator import children, credentials, kube, stats
+from cachepoint.operator.config import OperatorConfig
+from cachepoint.operator.members import Plan
+from cachepoint.operator.naming import (
+    FINALIZER,
+    GROUP,
+    LABEL_REPLICA,
+    PLURAL,
+    VERSION,
+    common_labels,
+)
+from cachepoint.operator.pod import template_hash
+from cachepoint.operator.spec import SpecError, check
+from cachepoint.operator.status import build_invalid_status, build_status, set_condition
 
 CONFIG = OperatorConfig.from_env()
 RESOURCE = (GROUP, VERSION, PLURAL)

@@ -17,7 +17,7 @@ import kopf
 import kubernetes
 from kubernetes.client.exceptions import ApiException
 
-from .naming import GROUP, PLURAL, VERSION
+from cachepoint.operator.naming import GROUP, PLURAL, VERSION
 
 TIMEOUT = 15.0  # seconds per API call; a hung call must not hold a kopf worker forever
 JSON_PATCH = "application/json-patch+json"

@@ -105,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         quiet=options.quiet,
         log_format=kopf.LogFormat[options.log_format.upper()],
     )
-    # Imported here, after logging is set up: importing registers the handlers.
-    from . import handlers  # noqa: F401
+    # NOTE: imported here, after logging is set up: importing registers the handlers
+    # in kopf's global registry, which only the process that runs the operator does.
+    from cachepoint.operator import handlers  # noqa: F401
 
     kopf.run(
         clusterwide=options.clusterwide,

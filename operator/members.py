@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .naming import ANNOTATION_TEMPLATE_HASH, LABEL_MEMBER
+from cachepoint.operator.naming import ANNOTATION_TEMPLATE_HASH, LABEL_MEMBER
 
 # Pods in these phases never run again: the kubelet restarts containers, not pods.
 FINISHED_PHASES = ("Failed", "Succeeded")

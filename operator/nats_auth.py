@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .naming import (
+from cachepoint.operator.naming import (
     GATEWAY_NATS_USER,
     GATEWAY_PASSWORD_ENV,
     INTERNAL_TOKEN_KEY,

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import OperatorConfig
-from .naming import PORT_NAME, common_labels
+from cachepoint.operator.config import OperatorConfig
+from cachepoint.operator.naming import PORT_NAME, common_labels
 
 # The label the API server puts on every namespace (Kubernetes 1.21+): its name.
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"

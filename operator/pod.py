@@ -10,8 +10,8 @@ import hashlib
 import json
 from typing import Any
 
-from .config import OperatorConfig
-from .naming import (
+from cachepoint.operator.config import OperatorConfig
+from cachepoint.operator.naming import (
     ANNOTATION_MIN_CACHEABLE,
     ANNOTATION_TEMPLATE_HASH,
     CONTAINER,
@@ -24,8 +24,8 @@ from .naming import (
     replica_process_name,
     service_name,
 )
-from .sizes import add_quantity, format_quantity, parse_quantity
-from .spec import REPLICA_GID, STORAGE, ReplicaSpec
+from cachepoint.operator.sizes import add_quantity, format_quantity, parse_quantity
+from cachepoint.operator.spec import REPLICA_GID, STORAGE, ReplicaSpec
 
 GPU_RESOURCE = "nvidia.com/gpu"
 ENV_PREFIX = "CACHEPOINT_REPLICA_"
@@ -119,6 +119,8 @@ def build_replica_env(
         "KV_HOST_BYTES": spec.kv.host_bytes or None,
         "KV_DISK_PATH": spec.kv.disk_path if spec.kv.has_disk_tier else None,
         "KV_DISK_BYTES": spec.kv.disk_bytes or None,
+        # Only when off: the replica's default is on, and an unset field rolls nothing.
+        "VLLM_RETENTION": "false" if spec.engine == "vllm" and not spec.vllm_retention else None,
     }
     env = [
         {"name": ENV_PREFIX + key, "value": str(value)}
@@ -202,6 +204,8 @@ def build_resources(spec: ReplicaSpec) -> dict[str, dict[str, int | str]]:
         # NOTE: the host tier lives in the pod's RAM (pinned memory on GPUs counts
         # against the container's cgroup): without this a full host tier would get the
         # member OOM-killed, or it would be scheduled onto a node without the memory.
+        # Either engine: on vllm it is vLLM's OffloadingConnector, pinned buffers of
+        # that size allocated at start.
         _add_resource(resources, "memory", spec.kv.host_bytes)
     volume = spec.kv.disk_volume
     if spec.kv.has_disk_tier and (volume is None or volume.is_empty_dir):
@@ -276,7 +280,7 @@ _FETCH_ENV = ("HF_ENDPOINT", "HTTPS_PROXY", "HTTP_PROXY", "NO_PROXY")
 def build_fetch_container(spec: ReplicaSpec) -> dict[str, Any] | None:
     """The init container that downloads Hugging Face weights into the model volume.
 
-    Idempotent (cachepoint.scheduler.weights_fetch keeps a completion marker), so a
+    Idempotent (cachepoint.replica.weights_fetch keeps a completion marker), so a
     restarted pod, or a member on a claim another one already filled, starts at once.
     """
     source = spec.model.hugging_face
@@ -301,7 +305,7 @@ def build_fetch_container(spec: ReplicaSpec) -> dict[str, Any] | None:
         "command": [
             "python",
             "-m",
-            "cachepoint.scheduler.weights_fetch",
+            "cachepoint.replica.weights_fetch",
             "--repo",
             source.repo,
             "--revision",
@@ -388,11 +392,11 @@ def build_probes(spec: ReplicaSpec, port_name: str = PORT_NAME) -> dict[str, dic
 def build_lifecycle(spec: ReplicaSpec) -> dict[str, Any]:
     """The preStop hook: drain before kubelet sends SIGTERM.
 
-    cachepoint.scheduler.drain tells the replica to announce draining on NATS (the
+    cachepoint.replica.prestop tells the replica to announce draining on NATS (the
     gateway stops routing new requests to it at once) and waits for its in-flight
     streams, up to the drain grace; it reads the port and token from the pod's env.
     """
-    command = ["python", "-m", "cachepoint.scheduler.drain"]
+    command = ["python", "-m", "cachepoint.replica.prestop"]
     command += ["--timeout", str(spec.drain_grace_seconds)]
     return {"preStop": {"exec": {"command": command}}}
 

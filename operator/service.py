@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .naming import PORT_NAME, common_labels, selector_labels, service_name
-from .spec import ReplicaSpec
+from cachepoint.operator.naming import PORT_NAME, common_labels, selector_labels, service_name
+from cachepoint.operator.spec import ReplicaSpec
 
 
 def build_replica_service(*, replica: str, namespace: str, spec: ReplicaSpec) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 
-# NOTE: the replica's own table (cachepoint.scheduler.settings._UNITS), repeated because
+# NOTE: the replica's own table (cachepoint.replica.settings._UNITS), repeated because
 # the operator imports no service code; a test keeps the two equal.
 KV_UNITS: dict[str, int] = {"": 1, "b": 1}
 for _i, _letter in enumerate("kmgt", start=1):

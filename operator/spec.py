@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
-from .naming import MAX_NAME_LENGTH
-from .sizes import parse_kv_size, parse_quantity
+from cachepoint.operator.naming import MAX_NAME_LENGTH
+from cachepoint.operator.sizes import parse_kv_size, parse_quantity
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
@@ -149,6 +149,7 @@ class KVSpec(_Spec):
     cache_bytes: int | str | None = None
     # KV tiers behind the device pool, for the whole member (all TP ranks); 0 = off.
     # The host tier lives in the pod's RAM: pod.py adds it to the memory resources.
+    # On engine vllm (GPUs only) the host tier is vLLM's OffloadingConnector; no disk tier.
     host_bytes: KVSize = 0
     # Where the disk tier's volume is mounted; used only when disk_bytes > 0.
     disk_path: str | None = Field(None, pattern=r"^/")
@@ -188,6 +189,14 @@ class StartupProbeSpec(_Spec):
     failure_threshold: int = Field(90, ge=1, le=100000)
 
 
+class VllmSpec(_Spec):
+    """Settings of engine vllm alone (refused on torch, where they would mean nothing)."""
+
+    # Cachepoint's retention connector pins managed entries' blocks in vLLM for their TTL
+    # (retention guaranteed); off = vLLM's LRU decides (best effort).
+    retention: bool = True
+
+
 class ReplicaSpec(_Spec):
     replicas: int = Field(1, ge=0, le=64)
     # torch: Cachepoint's engine and kvcore's pool; vllm: vLLM's engine behind a kvcore
@@ -200,6 +209,8 @@ class ReplicaSpec(_Spec):
     tensor_parallel_size: int = Field(1, ge=1, le=16)
     gpus_per_pod: int = Field(1, ge=0, le=16)
     kv: KVSpec = Field(default_factory=KVSpec)
+    # None when not given: the replica's defaults (the API server sets no object here).
+    vllm: VllmSpec | None = None
     batching: BatchingSpec = Field(default_factory=BatchingSpec)
     port: int = Field(8100, ge=1, le=65535)
     shm_size: int | str = "1Gi"
@@ -211,6 +222,10 @@ class ReplicaSpec(_Spec):
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     drain: DrainSpec = Field(default_factory=DrainSpec)
     startup_probe: StartupProbeSpec = Field(default_factory=StartupProbeSpec)
+
+    @property
+    def vllm_retention(self) -> bool:
+        return self.vllm is None or self.vllm.retention
 
     @property
     def max_unavailable(self) -> int:
@@ -275,12 +290,22 @@ VLLM_CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention kernels take blocks in mult
 
 def _vllm_problems(spec: ReplicaSpec) -> list[str]:
     if spec.engine != "vllm":
+        if spec.vllm is not None:
+            return [
+                "vllm applies to engine vllm only (engine torch keeps retention in kvcore, "
+                "without a connector): drop it or set engine: vllm"
+            ]
         return []
     kv, problems = spec.kv, []
-    if kv.host_bytes or kv.disk_bytes:
+    if kv.disk_bytes:
         problems.append(
-            "kv.hostBytes and kv.diskBytes are kvcore's tiers, which engine vllm does not "
-            "have (a vLLM KV connector is the way there; docs/vllm.md)"
+            "kv.diskBytes is kvcore's disk tier, which engine vllm does not have (its host "
+            "tier is vLLM's OffloadingConnector: kv.hostBytes, on GPUs; docs/vllm.md)"
+        )
+    if kv.host_bytes and spec.gpus_per_pod == 0:
+        problems.append(
+            "kv.hostBytes with engine vllm is vLLM's OffloadingConnector, which runs on GPUs "
+            "only: vLLM's CPU build (gpusPerPod 0) has no host tier"
         )
     if kv.eviction is not None:
         problems.append("kv.eviction is a kvcore policy; engine vllm evicts by vLLM's own LRU")

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .members import finished_reason, member_index, pod_finished, pod_ready
-from .naming import ANNOTATION_TEMPLATE_HASH, selector_string
-from .stats import ReplicaStats
+from cachepoint.operator.members import finished_reason, member_index, pod_finished, pod_ready
+from cachepoint.operator.naming import ANNOTATION_TEMPLATE_HASH, selector_string
+from cachepoint.operator.stats import ReplicaStats
 
 
 @dataclass(frozen=True)

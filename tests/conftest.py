@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -176,7 +178,7 @@ def nats_server(tmp_path) -> Iterator[NatsServer]:
 def _seed(tmp_path) -> tuple[str, dict[str, str]]:
     from cachepoint.gateway.db.migrate import upgrade
     from cachepoint.gateway.db.session import make_engine, make_sessionmaker
-    from cachepoint.gateway.tenants import create_key, create_org
+    from cachepoint.gateway.tenancy.tenants import create_key, create_org
 
     db = f"sqlite:///{tmp_path}/gw.db"
     engine = make_engine(db)
@@ -235,19 +237,15 @@ class VllmReplica:
             time.sleep(0.25)
 
 
-@pytest.fixture(scope="session")
-def vllm_replica(tmp_path_factory) -> Iterator[VllmReplica]:
-    """The vLLM replica, started once per session (vLLM takes tens of seconds to start):
-    the small random model over the byte tokenizer (the same model name and tokenizer as
-    the torch replica in the gateway tests), its events on a session nats-server.
-
-    Tests share it safely: every test's orgs are new, and a salt per org keeps their
-    caches apart, exactly as across tenants in production.
-    """
+@contextlib.contextmanager
+def running_vllm_replica(
+    base: Path, *extra: str, name: str = "vllm-0", env_extra: dict[str, str] | None = None
+) -> Iterator[VllmReplica]:
+    """A `cachepoint-replica --engine vllm` from .venv-vllm with its own nats-server,
+    ready, stopped on exit. ``extra`` flags override the defaults (argparse: last wins)."""
     binary = VLLM_BIN / "cachepoint-replica"
     if not binary.exists():
         pytest.fail("no .venv-vllm: run `make vllm` (make test does) for the vLLM replica tests")
-    base = tmp_path_factory.mktemp("vllm")
     nats = NatsServer(_free_port(), str(base / "nats"))
     nats.start()
     port = _free_port()
@@ -255,16 +253,16 @@ def vllm_replica(tmp_path_factory) -> Iterator[VllmReplica]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CACHEPOINT_")}
     # NOTE: on two shared cores vLLM's auto binding would pin its worker to one core
     # and reserve the other; the tests share both with everything else instead.
-    env |= {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "PYTHONSAFEPATH": "1"}
+    env |= {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "PYTHONSAFEPATH": "1", **(env_extra or {})}
     argv = [
-        str(binary), "--engine", "vllm", "--name", "vllm-0", "--port", str(port),
+        str(binary), "--engine", "vllm", "--name", name, "--port", str(port),
         "--model-preset", "small", "--block-size", str(VLLM_BLOCK), "--kv-budget", "128MiB",
         "--max-model-len", "4096", "--nats-url", nats.url, "--log-format", "text",
-        "--vllm-export-dir", str(base / "export"),
+        "--vllm-export-dir", str(base / "export"), *extra,
     ]  # fmt: skip
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
-    replica = VllmReplica(f"http://127.0.0.1:{port}", "vllm-0", nats.url, proc, log)
+    replica = VllmReplica(f"http://127.0.0.1:{port}", name, nats.url, proc, log)
     try:
         replica.wait_ready()
         yield replica
@@ -276,3 +274,16 @@ def vllm_replica(tmp_path_factory) -> Iterator[VllmReplica]:
             proc.kill()
             proc.wait()
         nats.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_replica(tmp_path_factory) -> Iterator[VllmReplica]:
+    """The vLLM replica, started once per session (vLLM takes tens of seconds to start):
+    the small random model over the byte tokenizer (the same model name and tokenizer as
+    the torch replica in the gateway tests), its events on a session nats-server.
+
+    Tests share it safely: every test's orgs are new, and a salt per org keeps their
+    caches apart, exactly as across tenants in production.
+    """
+    with running_vllm_replica(tmp_path_factory.mktemp("vllm")) as replica:
+        yield replica

@@ -25,13 +25,9 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from cachepoint.billing import Price
-
-from .. import aliases
-from ..db.migrate import upgrade
-from ..db.models import ApiKey, ModelAlias, ModelPrice, Workspace
-from ..db.session import make_engine, make_sessionmaker
-from ..ledger import price_for
-from ..reports import (
+from cachepoint.gateway.admin.safe_text import csv_text, visible
+from cachepoint.gateway.billing.ledger import price_for
+from cachepoint.gateway.billing.reports import (
     LIMITS,
     TOKEN_FIELDS,
     USAGE_GROUPS,
@@ -42,8 +38,12 @@ from ..reports import (
     spend,
     usd,
 )
-from ..settings import DEFAULT_DB, GatewaySettings
-from ..tenants import (
+from cachepoint.gateway.db.migrate import upgrade
+from cachepoint.gateway.db.models import ApiKey, ModelAlias, ModelPrice, Org, Workspace
+from cachepoint.gateway.db.session import make_engine, make_sessionmaker
+from cachepoint.gateway.settings import DEFAULT_DB, GatewaySettings
+from cachepoint.gateway.tenancy import aliases
+from cachepoint.gateway.tenancy.tenants import (
     TenantError,
     create_key,
     create_org,
@@ -53,7 +53,6 @@ from ..tenants import (
     revoke_key,
     set_policy,
 )
-from .safe_text import csv_text, visible
 
 # NOTE: piped into a script there is no terminal width; never truncate an id there.
 out = Console(width=None if Console().is_terminal else 200)
@@ -135,8 +134,6 @@ def cmd_orgs_create(s: Session, a: argparse.Namespace) -> None:
 
 
 def cmd_orgs_list(s: Session, a: argparse.Namespace) -> None:
-    from ..db.models import Org
-
     t = _table("id", "name", "global scope", "allow-list", "retained share", "created")
     for org in s.scalars(select(Org).order_by(Org.created_at)):
         n = len([d for d in org.global_allowlist.split("\n") if d])

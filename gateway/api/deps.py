@@ -8,10 +8,10 @@ from typing import Annotated
 from fastapi import Depends, Request
 from starlette.concurrency import run_in_threadpool
 
-from ..errors import forbidden, invalid, unauthenticated
-from ..state import GatewayState
-from ..tenants import KeyContext
-from .middleware import extra_headers
+from cachepoint.gateway.api.middleware import extra_headers
+from cachepoint.gateway.errors import forbidden, invalid, unauthenticated
+from cachepoint.gateway.state import GatewayState
+from cachepoint.gateway.tenancy.tenants import KeyContext
 
 # NOTE: any dated version is accepted: SDK releases move the header forward and this
 # gateway's wire behaviour does not branch on it; a malformed value is still a 400.

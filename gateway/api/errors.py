@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import ApiError, envelope
+from cachepoint.gateway.errors import ApiError, envelope
 
 log = logging.getLogger(__name__)
 

@@ -8,11 +8,11 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from .. import requestlog
-from ..errors import rate_limited
-from ..ratelimit import Admission
-from .deps import MessageCallerDep, StateDep
-from .middleware import extra_headers
+from cachepoint.gateway.api.deps import MessageCallerDep, StateDep
+from cachepoint.gateway.api.middleware import extra_headers
+from cachepoint.gateway.errors import rate_limited
+from cachepoint.gateway.observability import requestlog
+from cachepoint.gateway.tenancy.ratelimit import Admission
 
 
 async def admit(request: Request, state: StateDep, ctx: MessageCallerDep) -> Admission:

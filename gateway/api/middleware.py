@@ -12,8 +12,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .. import requestlog
-from ..errors import envelope
+from cachepoint.gateway.errors import envelope
+from cachepoint.gateway.observability import requestlog
 
 # scope["state"] key under which dependencies queue (name, value) response headers
 EXTRA_HEADERS = "cp_headers"

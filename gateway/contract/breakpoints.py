@@ -7,11 +7,11 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..schemas.messages import CacheControl
-from .render import BlockSpan, RenderedPrompt
+from cachepoint.gateway.contract.prompt import BlockSpan, RenderedPrompt
+from cachepoint.gateway.schemas.messages import CacheControl
+from cachepoint.kvcore import MAX_LOOKBACK_BOUNDARIES
+from cachepoint.kvcore.limits import MAX_BREAKPOINTS
 
-MAX_BREAKPOINTS = 4
-MAX_LOOKBACK = 20  # content-block boundaries per breakpoint, itself included
 SCOPE_BETA = "prompt-caching-scope-2026-01-05"
 
 Scope = Literal["org", "global"]
@@ -138,7 +138,7 @@ def resolve(
                 ttl=cc.ttl or "5m",
                 scope="global" if is_global else "org",
                 extra_keys=global_keys if is_global else org_keys,
-                boundaries=tuple(earlier[: MAX_LOOKBACK - 1]),
+                boundaries=tuple(earlier[: MAX_LOOKBACK_BOUNDARIES - 1]),
             )
         )
     # NOTE: global covers only the full blocks that end at or before the last global

@@ -12,7 +12,7 @@ Two strategies, as Anthropic documents them (build-with-claude/context-editing):
 - ``clear_thinking_20251015``: thinking blocks are kept only in the ``keep`` most
   recent assistant turns that have any (``"all"``: every turn). It must be listed
   first. NOTE: the models served here have no reasoning mode and the renderer never
-  puts thinking into the prompt (render.py), so clearing it changes no token: the
+  puts thinking into the prompt (blocks.py), so clearing it changes no token: the
   edit is reported with ``cleared_input_tokens: 0``.
 
 The client keeps its full history and resends it; the edit is recomputed on every

@@ -26,6 +26,8 @@ import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from cachepoint.gateway.schemas.messages import TextBlock
+
 REFERENCE = "tool_reference"
 
 
@@ -92,8 +94,6 @@ def expand_references(request: Any) -> Any:
 
     NOTE: only the tool_result's own content list changes, so every block path (and
     every span) stays where it was."""
-    from ..schemas.messages import TextBlock
-
     tools = {t.name: t for t in (request.tools or ()) if is_deferred(t)}
     messages = list(request.messages)
     changed = False

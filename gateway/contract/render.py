@@ -7,144 +7,32 @@ a content block's span is exact: a breakpoint is simply the end of its block's s
 
 from __future__ import annotations
 
-import hashlib
-import json
 from array import array
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Protocol
 
-from ..errors import invalid
-from ..schemas.messages import (
+from cachepoint.gateway.contract import context_edits
+from cachepoint.gateway.contract.blocks import (
+    block_text,
+    cacheable_block,
+    canonical_json,
+    rendered_block,
+)
+from cachepoint.gateway.contract.deferred import expand_references, is_deferred
+from cachepoint.gateway.contract.encoding import encode_pieces
+from cachepoint.gateway.contract.prompt import (
+    BlockSpan,
+    RenderableRequest,
+    RenderedPrompt,
+    Section,
+    Tokenizer,
+)
+from cachepoint.gateway.errors import invalid
+from cachepoint.gateway.schemas.messages import (
     CacheControl,
-    ContentBlock,
     DocumentBlock,
     ImageBlock,
-    RedactedThinkingBlock,
-    TextBlock,
-    ThinkingBlock,
-    Tool,
-    ToolReferenceBlock,
     ToolResultBlock,
-    ToolUseBlock,
 )
-from . import context_edits
-from .deferred import expand_references, is_deferred
-from .encoding import encode_pieces
-
-if TYPE_CHECKING:
-    from .context_edits import AppliedEdit
-    from .template import TemplateRenderer
-
-Section = Literal["tools", "system", "messages"]
-
-
-class Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
-
-    def special_id(self, name: str) -> int | None: ...
-
-    @property
-    def bos_id(self) -> int | None: ...
-
-
-class RenderableRequest(Protocol):
-    """What rendering reads: MessagesRequest and CountTokensRequest both fit."""
-
-    @property
-    def tools(self) -> list[Tool] | None: ...
-
-    @property
-    def system(self) -> str | list[TextBlock] | None: ...
-
-    @property
-    def messages(self) -> Sequence[Any]: ...
-
-
-@dataclass(frozen=True, slots=True)
-class BlockSpan:
-    """Where one content block landed in the token stream."""
-
-    path: str  # JSON path in the request, e.g. "messages.3.content.1"
-    section: Section  # tools | system | messages
-    kind: str  # tool, text, image, document, tool_use, tool_result, thinking, ...
-    start: int  # first token of the block
-    end: int  # one past its last token: where a breakpoint on it sits
-    cacheable: bool  # may carry cache_control (not thinking, not empty text)
-    cache_control: CacheControl | None  # the marker on it, if any
-
-
-@dataclass(frozen=True, slots=True)
-class RenderedPrompt:
-    tokens: array[int]  # int32 token ids, ready for kvcore hashing
-    blocks: tuple[BlockSpan, ...]  # in render order
-    # context_management edits that changed the prompt; None: the request asked for none
-    applied_edits: tuple[AppliedEdit, ...] | None = None
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-
-def _canonical_json(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
-def _digest(data: str) -> str:
-    return hashlib.sha256(data.encode()).hexdigest()[:32]
-
-
-def _source_text(source: Any) -> str:
-    kind = source.type
-    if kind == "base64":
-        return f"{source.media_type} sha256:{_digest(source.data)}"
-    if kind == "url":
-        return f"url sha256:{_digest(source.url)}"
-    if kind == "text":
-        return str(source.data)
-    content = source.content
-    return content if isinstance(content, str) else "\n".join(b.text for b in content)
-
-
-def tool_result_body(block: ToolResultBlock) -> str:
-    """A tool result's content as text: a string as is, blocks one per line."""
-    content = block.content
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "\n".join(block_text(c) for c in content)
-
-
-def block_text(block: ContentBlock | ToolReferenceBlock) -> str:
-    """The canonical text of one content block (what its tokens encode)."""
-    if isinstance(block, TextBlock):
-        return block.text
-    if isinstance(block, ImageBlock):
-        return f"[image {_source_text(block.source)}]"
-    if isinstance(block, DocumentBlock):
-        title = f" title={block.title}" if block.title else ""
-        context = f" context={block.context}" if block.context else ""
-        return f"[document{title}{context}] {_source_text(block.source)}"
-    if isinstance(block, ToolUseBlock):
-        return f"[tool_use {block.name} id={block.id}] {_canonical_json(block.input)}"
-    if isinstance(block, ToolResultBlock):
-        flag = " error" if block.is_error else ""
-        return f"[tool_result id={block.tool_use_id}{flag}] {tool_result_body(block)}"
-    if isinstance(block, ThinkingBlock | RedactedThinkingBlock):
-        return ""  # never rendered (see ``rendered_block``)
-    if isinstance(block, ToolReferenceBlock):  # not expanded (deferred.py): its name
-        return f"[tool_reference {block.tool_name}]"
-    raise TypeError(f"unknown content block {block!r}")
-
-
-def rendered_block(block: ContentBlock) -> bool:
-    """Whether a block reaches the prompt. NOTE: thinking never does: the models served
-    here have no reasoning mode, and a replayed block is another model's reasoning (or
-    empty, with ``display: omitted``). Dropped in every turn alike, it leaves a
-    zero-length span, so the prefix of turn n+1 is turn n's whatever thinking the
-    history carries, and ``clear_thinking`` edits change no token."""
-    return not isinstance(block, ThinkingBlock | RedactedThinkingBlock)
-
 
 DEGRADED_HEADER = "cachepoint-degraded"
 
@@ -174,25 +62,23 @@ def degraded_headers(request: RenderableRequest) -> dict[str, str]:
     return {DEGRADED_HEADER: ",".join(kinds)} if kinds else {}
 
 
-def _cacheable(block: ContentBlock) -> bool:
-    if isinstance(block, ThinkingBlock | RedactedThinkingBlock):
-        return False
-    return not (isinstance(block, TextBlock) and block.text == "")
+class PromptTemplate(Protocol):
+    """A renderer through a model's own chat template (contract/template.py's)."""
+
+    def render(self, request: RenderableRequest, limit: int | None = None) -> RenderedPrompt:
+        """The prompt, or ``PromptTooLong`` once it is known to pass ``limit`` tokens."""
+        ...
 
 
 class Renderer:
-    """Renders requests with one tokenizer. With a ``chat_template`` (a real model's),
-    through that template (contract/template.py). Without one, canonically: role
-    markers are the tokenizer's special tokens when it has them (the byte tokenizer
-    does), else short text markers."""
+    """Renders requests with one tokenizer. With a ``template`` (a real model's chat
+    template, contract/template.py, whose ``build_renderer`` builds the gateway's),
+    through it. Without one, canonically: role markers are the tokenizer's special
+    tokens when it has them (the byte tokenizer does), else short text markers."""
 
-    def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, template: PromptTemplate | None = None) -> None:
         self.tokenizer = tokenizer
-        self.template: TemplateRenderer | None = None
-        if chat_template is not None:
-            from .template import TemplateRenderer
-
-            self.template = TemplateRenderer(tokenizer, chat_template)
+        self.template = template  # renders every request when set
         self._marks = {
             name: self._marker(name) for name in ("tool", "system", "user", "assistant", "sep")
         }
@@ -261,7 +147,7 @@ class Renderer:
                 f"tools.{i}",
                 "tools",
                 "tool",
-                _canonical_json(spec),
+                canonical_json(spec),
                 True,
                 tool.cache_control,
                 self._marks["tool"],
@@ -298,14 +184,14 @@ class Renderer:
             for k, block in enumerate(msg.content):
                 path = f"messages.{m}.content.{k}"
                 if not rendered_block(block):
-                    skip(path, "messages", block.type, _cacheable(block), block.cache_control)
+                    skip(path, "messages", block.type, cacheable_block(block), block.cache_control)
                     continue
                 add(
                     path,
                     "messages",
                     block.type,
                     block_text(block),
-                    _cacheable(block),
+                    cacheable_block(block),
                     block.cache_control,
                     [] if opened else role,
                 )

@@ -26,28 +26,32 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from cachepoint.tokenizer.gguf_vocab import gguf_field, is_gguf, read_vocab
-
-from ..errors import ApiError, invalid
-from ..schemas.messages import (
-    CacheControl,
-    TextBlock,
-    ToolResultBlock,
-    ToolUseBlock,
+from cachepoint.gateway.contract.blocks import (
+    block_text,
+    cacheable_block,
+    rendered_block,
+    tool_result_body,
 )
-from .deferred import is_deferred
-from .encoding import encode_pieces
-from .render import (
+from cachepoint.gateway.contract.deferred import is_deferred
+from cachepoint.gateway.contract.encoding import encode_pieces
+from cachepoint.gateway.contract.prompt import (
     BlockSpan,
     RenderableRequest,
     RenderedPrompt,
     Section,
     Tokenizer,
-    _cacheable,
-    block_text,
-    rendered_block,
-    tool_result_body,
 )
+from cachepoint.gateway.contract.render import Renderer
+from cachepoint.gateway.errors import ApiError, invalid
+from cachepoint.gateway.schemas.messages import (
+    CacheControl,
+    CountTokensRequest,
+    TextBlock,
+    ToolResultBlock,
+    ToolUseBlock,
+)
+from cachepoint.tokenizer import load_tokenizer
+from cachepoint.tokenizer.gguf_vocab import gguf_field, is_gguf, read_vocab
 
 # NOTE: SmolLM2's template has no tool support (it never reads `tools` or
 # `tool_calls`), so tools would vanish from the prompt. Requests that offer tools or
@@ -274,11 +278,11 @@ def to_conversation(request: RenderableRequest, *, marks: bool = True) -> Conver
                 f"messages.{n}.content.{k}",
                 "messages",
                 block.type,
-                _cacheable(block),
+                cacheable_block(block),
                 block.cache_control,
             )
             if not rendered_block(block):
-                mark(b)  # thinking: an empty span, nothing in the text (render.py)
+                mark(b)  # thinking: an empty span, nothing in the text (blocks.py)
             elif isinstance(block, ToolUseBlock) and msg.role == "assistant":
                 m = mark(b)
                 fn_call = {"name": block.name, "arguments": _Marked(m, block.input)}
@@ -369,8 +373,6 @@ class TemplateRenderer:
         # NOTE: a marker sits inside message text; a template that edits text (trim,
         # slicing, length checks) would render differently with it. Refuse such a
         # template at start rather than serve a prompt the model was not trained on.
-        from ..schemas.messages import CountTokensRequest
-
         probe = CountTokensRequest.model_validate(
             {
                 "model": "probe",
@@ -524,15 +526,13 @@ def _eos(tokenizer: Tokenizer) -> int | None:
     return getattr(tokenizer, "eos_id", None)
 
 
-def build_renderer(model_dir: Path | str | None) -> Any:
+def build_renderer(model_dir: Path | str | None) -> Renderer:
     """The gateway's renderer for ``--model-dir``: the checkpoint's tokenizer and, when
     it ships one, its chat template; None: the byte tokenizer, rendered canonically."""
-    from cachepoint.tokenizer import load_tokenizer
-
-    from .render import Renderer
-
     path = None if model_dir is None else Path(model_dir)
-    return Renderer(load_tokenizer(path), load_chat_template(path))
+    tokenizer = load_tokenizer(path)
+    source = load_chat_template(path)
+    return Renderer(tokenizer, None if source is None else TemplateRenderer(tokenizer, source))
 
 
 def checkpoint_context_window(model_dir: Path | str | None) -> int | None:

@@ -20,8 +20,8 @@ import string
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..schemas.messages import CountTokensRequest, MessagesRequest
-from .deferred import callable_names
+from cachepoint.gateway.contract.deferred import callable_names
+from cachepoint.gateway.schemas.messages import CountTokensRequest, MessagesRequest
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"

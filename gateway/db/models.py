@@ -51,6 +51,12 @@ class Workspace(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+# How a raw API key starts, by kind. NOTE: here beside the table, below both the
+# tenancy code that mints keys and the admin schemas that show a key's hint.
+KEY_PREFIX = "sk-cp-"
+ADMIN_KEY_PREFIX = "sk-cp-admin-"
+
+
 class ApiKey(Base):
     __tablename__ = "api_keys"
 

@@ -4,8 +4,8 @@ and checks the JSON (sizes, depth, NaN), ``pool`` runs heavy work (parsing, rend
 tokenizing, fingerprints) in worker threads with a per-org share, ``memory`` hands
 freed memory back to the OS after a large body."""
 
-from .body import BodyLimits, read_body
-from .memory import trim_after
-from .pool import IntakeFull, IntakePool
+from cachepoint.gateway.intake.body import BodyLimits, read_body
+from cachepoint.gateway.intake.memory import trim_after
+from cachepoint.gateway.intake.pool import IntakeFull, IntakePool
 
 __all__ = ["BodyLimits", "IntakeFull", "IntakePool", "read_body", "trim_after"]

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
-from ..errors import invalid
+from cachepoint.gateway.errors import invalid
 
 _M = TypeVar("_M", bound=BaseModel)
 

@@ -8,9 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..db.models import ApiKey
-from ..tenants import ADMIN_KEY_PREFIX, KEY_PREFIX
-from .messages import reject_lone_surrogates
+from cachepoint.gateway.db.models import ADMIN_KEY_PREFIX, KEY_PREFIX, ApiKey
+from cachepoint.gateway.schemas.messages import reject_lone_surrogates
 
 
 class UpdateApiKey(BaseModel):

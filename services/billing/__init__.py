@@ -5,8 +5,14 @@ the demo prints. Pure and torch-free; it imports nothing of ours but kvcore (an
 import-linter contract in pyproject.toml).
 """
 
-from .buckets import BillingError, Buckets, buckets, cache_writes, walk_breakpoints
-from .prices import (
+from cachepoint.billing.buckets import (
+    BillingError,
+    Buckets,
+    buckets,
+    cache_writes,
+    walk_breakpoints,
+)
+from cachepoint.billing.prices import (
     MICROS_PER_USD,
     READ_MULT,
     TOKENS_PER_MTOK,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from .buckets import Buckets
+from cachepoint.billing.buckets import Buckets
 
 MICROS_PER_USD = 1_000_000
 TOKENS_PER_MTOK = 1_000_000

@@ -4,13 +4,13 @@ The scheduler's entry points are :class:`Engine` (build, ``step``/``prefill``/``
 ``close``), the request types in :mod:`.batch`, and :mod:`.sampling`.
 """
 
-from .batch import DecodeRequest, PrefillRequest, StepOutput
-from .config import EngineConfig, ModelConfig
-from .engine import Engine
-from .generate import BlockAllocator, GenerationRequest, GenerationResult
-from .kv_pool import KVBudgetError, KVPool
-from .sampling import SamplingParams, StopChecker, sample
-from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from cachepoint.engine.batch import DecodeRequest, PrefillRequest, StepOutput
+from cachepoint.engine.config import EngineConfig, ModelConfig
+from cachepoint.engine.engine import Engine
+from cachepoint.engine.generate import BlockAllocator, GenerationRequest, GenerationResult
+from cachepoint.engine.kv_pool import KVBudgetError, KVPool
+from cachepoint.engine.sampling import SamplingParams, StopChecker, sample
+from cachepoint.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
     "BlockAllocator",

@@ -24,10 +24,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels
-from .attention_cuda import cuda_paged_attention
-from .attention_plan import AttentionMetadata, DecodeSpan, PrefillSpan
-from .kv_pool import KVPool
+from cachepoint.engine import cpu_kernels
+from cachepoint.engine.attention_cuda import cuda_paged_attention
+from cachepoint.engine.attention_plan import AttentionMetadata, DecodeSpan, PrefillSpan
+from cachepoint.engine.kv_pool import KVPool
 
 Partial = tuple[torch.Tensor, torch.Tensor]
 """A partial attention: output ``[..., rows, D]`` and its float32 log-sum-exp ``[..., rows]``."""

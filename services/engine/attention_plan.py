@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .block_tables import Run, SeqTable, shared_blocks
+from cachepoint.engine.block_tables import Run, SeqTable, shared_blocks
 
 # NOTE: a run shorter than this many blocks is gathered rather than read in place. One
 # extra CPU flash call costs about 15 us of overhead; copying a 16-token block of a

@@ -8,7 +8,7 @@ import argparse
 import sys
 import time
 
-from .cpu_kernels import build, library_path, why_unavailable
+from cachepoint.engine.cpu_kernels import build, library_path, why_unavailable
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .tokenizer import BYTE_VOCAB_SIZE
+from cachepoint.engine.tokenizer import BYTE_VOCAB_SIZE
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # NOTE: HF configs spell dtypes several ways; we normalise to the torch attribute name

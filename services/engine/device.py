@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import normalize_dtype
+from cachepoint.engine.config import normalize_dtype
 
 
 def resolve_device(spec: str, tp_rank: int = 0) -> torch.device:

@@ -14,15 +14,15 @@ from types import TracebackType
 
 import torch
 
-from .batch import DecodeRequest, PrefillRequest, StepOutput
-from .config import EngineConfig, ModelConfig, generation_eos_ids
-from .device import resolve_device
-from .generate import Allocator, GenerationRequest, GenerationResult, generate
-from .kv_copy import Copy, CopyHook
-from .model import LayerHook
-from .runner import ModelRunner
-from .tokenizer import Tokenizer, load_tokenizer
-from .tp import (
+from cachepoint.engine.batch import DecodeRequest, PrefillRequest, StepOutput
+from cachepoint.engine.config import EngineConfig, ModelConfig, generation_eos_ids
+from cachepoint.engine.device import resolve_device
+from cachepoint.engine.generate import Allocator, GenerationRequest, GenerationResult, generate
+from cachepoint.engine.kv_copy import Copy, CopyHook
+from cachepoint.engine.model import LayerHook
+from cachepoint.engine.runner import ModelRunner
+from cachepoint.engine.tokenizer import Tokenizer, load_tokenizer
+from cachepoint.engine.tp import (
     StepPlan,
     TPWorkers,
     broadcast_plan,
@@ -30,7 +30,7 @@ from .tp import (
     driver_layer_hook,
     init_group,
 )
-from .weights import read_model_config
+from cachepoint.engine.weights import read_model_config
 
 
 class Engine:

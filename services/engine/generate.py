@@ -9,13 +9,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from .batch import DecodeRequest, PrefillRequest
-from .sampling import SamplingParams, StopChecker, make_generator, sample
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from cachepoint.engine.batch import DecodeRequest, PrefillRequest, StepEngine
+from cachepoint.engine.sampling import SamplingParams, StopChecker, make_generator, sample
 
 Allocator = Callable[[int], list[int]]
 """Returns ``n`` free block ids (or raises when there are none)."""
@@ -80,7 +76,7 @@ def _cover(table: list[int], num_tokens: int, block_size: int, allocate: Allocat
 
 
 def generate(
-    engine: Engine, requests: Sequence[GenerationRequest], allocate: Allocator
+    engine: StepEngine, requests: Sequence[GenerationRequest], allocate: Allocator
 ) -> list[GenerationResult]:
     """Batched prefill of every prompt, then batched decode steps until all finish."""
     bs, eos = engine.block_size, engine.eos_ids

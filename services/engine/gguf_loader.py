@@ -14,10 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from cachepoint.engine.config import ModelConfig
+from cachepoint.engine.sharding import cut_shard
 from cachepoint.tokenizer.gguf_vocab import gguf_eos_ids, gguf_field, gguf_reader
-
-from .config import ModelConfig
-from .weights import cut_shard
 
 # HF Llama name -> llama.cpp tensor name (per layer, "{i}" is the layer index).
 _LAYER_NAMES = {

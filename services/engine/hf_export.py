@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig
-from .weights import WeightSource, hf_weight_shapes
+from cachepoint.engine.config import ModelConfig
+from cachepoint.engine.weights import WeightSource, hf_weight_shapes
 
 EXPORT_VERSION = "1"  # bump when what is written changes: old exports are rewritten
 

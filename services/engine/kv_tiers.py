@@ -48,8 +48,8 @@ from typing import Any
 
 import torch
 
-from .kv_copy import Copy, CopyGroup, CopyHook, as_copies, plan_groups, runs
-from .kv_pool import KVPool
+from cachepoint.engine.kv_copy import Copy, CopyGroup, CopyHook, as_copies, plan_groups, runs
+from cachepoint.engine.kv_pool import KVPool
 
 STAGING_BYTES = 64 * 2**20  # device memory one CUDA copy chunk may stage
 

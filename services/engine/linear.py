@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels
+from cachepoint.engine import cpu_kernels
 
 # NOTE: private (Inductor's CPU lowering calls it), so looked up once and optional.
 _ONEDNN = getattr(torch.ops.mkldnn, "_linear_pointwise", None)

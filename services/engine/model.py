@@ -17,13 +17,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import paged_attention
-from .attention_plan import AttentionMetadata
-from .config import ModelConfig
-from .kv_pool import KVPool
-from .linear import linear
-from .rotary import Rotary, apply_rotary
-from .weights import RandomWeights, WeightSource
+from cachepoint.engine.attention import paged_attention
+from cachepoint.engine.attention_plan import AttentionMetadata
+from cachepoint.engine.config import ModelConfig
+from cachepoint.engine.kv_pool import KVPool
+from cachepoint.engine.linear import linear
+from cachepoint.engine.rotary import Rotary, apply_rotary
+from cachepoint.engine.weights import RandomWeights, WeightSource
 
 LayerHook = Callable[[int], None]
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import cpu_kernels
-from .attention_cuda import cuda_paged_attention_available
-from .attention_plan import (
+from cachepoint.engine import cpu_kernels
+from cachepoint.engine.attention_cuda import cuda_paged_attention_available
+from cachepoint.engine.attention_plan import (
     AttentionMetadata,
     DecodeSpan,
     PrefillSpan,
@@ -25,15 +25,15 @@ from .attention_plan import (
     plan_prefill,
     plan_varlen,
 )
-from .batch import DecodeRequest, PrefillRequest, StepOutput
-from .block_tables import BlockTables, SeqTable
-from .config import EngineConfig, ModelConfig
-from .device import resolve_device, resolve_dtype
-from .kv_copy import CopyHook
-from .kv_pool import KVPool, KVPoolShape, blocks_for_budget, cuda_kv_budget
-from .kv_tiers import STAGING_BYTES, KVTiers, TierError
-from .model import LayerHook, LlamaForCausalLM, build_model, weight_bytes
-from .weights import RandomWeights, WeightSource, open_weights
+from cachepoint.engine.batch import DecodeRequest, PrefillRequest, StepOutput
+from cachepoint.engine.block_tables import BlockTables, SeqTable
+from cachepoint.engine.config import EngineConfig, ModelConfig
+from cachepoint.engine.device import resolve_device, resolve_dtype
+from cachepoint.engine.kv_copy import CopyHook
+from cachepoint.engine.kv_pool import KVPool, KVPoolShape, blocks_for_budget, cuda_kv_budget
+from cachepoint.engine.kv_tiers import STAGING_BYTES, KVTiers, TierError
+from cachepoint.engine.model import LayerHook, LlamaForCausalLM, build_model, weight_bytes
+from cachepoint.engine.weights import RandomWeights, WeightSource, open_weights
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tokenizer import Tokenizer
+from cachepoint.engine.tokenizer import Tokenizer
 
 
 @dataclass(slots=True, frozen=True)

@@ -35,12 +35,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .batch import DecodeRequest, PrefillRequest
-from .config import EngineConfig, ModelConfig
-from .device import resolve_device
-from .kv_copy import Copy
-from .model import LayerHook
-from .runner import ModelRunner
+from cachepoint.engine.batch import DecodeRequest, PrefillRequest
+from cachepoint.engine.config import EngineConfig, ModelConfig
+from cachepoint.engine.device import resolve_device
+from cachepoint.engine.kv_copy import Copy
+from cachepoint.engine.model import LayerHook
+from cachepoint.engine.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

@@ -7,42 +7,18 @@ parallel rank's shard, so the model never sees a full tensor it does not keep.
 from __future__ import annotations
 
 import json
-import re
 import zlib
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
-from .config import ModelConfig
-
-if TYPE_CHECKING:
-    from .gguf_loader import GGUFWeights
-
-# Column-parallel weights split their output rows (dim 0), row-parallel ones their
-# input columns (dim 1); everything else is replicated on every rank.
-# A column-parallel layer's bias (Qwen2's q/k/v) splits with its output rows.
-_COLUMN_PARALLEL = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
-_ROW_PARALLEL = re.compile(r"\.(o_proj|down_proj)\.weight$")
-
-
-def shard_dim(name: str) -> int | None:
-    """The dimension a HF weight is split along under tensor parallelism, or None."""
-    if _COLUMN_PARALLEL.search(name):
-        return 0
-    if _ROW_PARALLEL.search(name):
-        return 1
-    return None
-
-
-def shard_range(size: int, rank: int, world: int) -> tuple[int, int]:
-    """``[start, stop)`` of ``rank``'s equal share of ``size`` (which ``world`` divides)."""
-    if size % world:
-        raise ValueError(f"dimension {size} does not split into {world} equal shards")
-    step = size // world
-    return rank * step, (rank + 1) * step
+from cachepoint.engine.config import ModelConfig
+from cachepoint.engine.gguf_loader import GGUFWeights, read_gguf_config
+from cachepoint.engine.sharding import cut_shard, shard_dim, shard_range
+from cachepoint.tokenizer.gguf_vocab import is_gguf
 
 
 class WeightSource(Protocol):
@@ -78,19 +54,6 @@ def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _cut(t: torch.Tensor, name: str, rank: int, world: int) -> torch.Tensor:
-    dim = shard_dim(name)
-    if dim is None or world == 1:
-        return t
-    start, stop = shard_range(t.shape[dim], rank, world)
-    return t.narrow(dim, start, stop - start)
-
-
-def cut_shard(t: torch.Tensor, name: str, rank: int, world: int) -> torch.Tensor:
-    """``rank``'s tensor-parallel shard of the full tensor ``t`` named ``name``."""
-    return _cut(t, name, rank, world)
-
-
 class RandomWeights:
     """Seeded random weights: the same seed gives the same model on any machine or rank.
 
@@ -121,7 +84,7 @@ class RandomWeights:
     def get(self, name: str, rank: int, world: int) -> torch.Tensor | None:
         if name not in self._shapes:
             return None
-        return _cut(self.full(name), name, rank, world)
+        return cut_shard(self.full(name), name, rank, world)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every full tensor by HF name (for writing a checkpoint folder)."""
@@ -177,21 +140,13 @@ def read_hf_config(folder: Path) -> ModelConfig:
 
 def read_model_config(checkpoint: Path) -> ModelConfig:
     """``ModelConfig`` of a checkpoint: a HF folder, or a ``.gguf`` file's metadata."""
-    from cachepoint.tokenizer.gguf_vocab import is_gguf
-
     if is_gguf(checkpoint):
-        from .gguf_loader import read_gguf_config
-
         return read_gguf_config(checkpoint)
     return read_hf_config(checkpoint)
 
 
 def open_weights(checkpoint: Path, config: ModelConfig) -> SafetensorsWeights | GGUFWeights:
     """The weight source of a checkpoint (call ``close()`` on it when the model is built)."""
-    from cachepoint.tokenizer.gguf_vocab import is_gguf
-
     if is_gguf(checkpoint):
-        from .gguf_loader import GGUFWeights
-
         return GGUFWeights(checkpoint, config)
     return SafetensorsWeights(checkpoint)

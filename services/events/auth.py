@@ -14,7 +14,7 @@ import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from .subjects import (
+from cachepoint.events.subjects import (
     HEARTBEAT_ALL,
     KV_ALL,
     SNAPSHOT_ALL,

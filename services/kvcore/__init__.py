@@ -37,17 +37,32 @@ from .hashing import (
     hash_block,
     hash_blocks,
 )
-from .manager import MAX_LOOKBACK, CacheStats, EntryHit, EntryWrite, KVCacheManager, PrefixMatch
+from .manager import (
+    MAX_LOOKBACK_BOUNDARIES,
+    CacheStats,
+    EntryHit,
+    EntryWrite,
+    KVCacheManager,
+    PrefixMatch,
+)
+from .pin_ledger import PinLedger, PinStats
 from .pool import BlockCounts, BlockPool, PoolExhaustedError
 from .prefix_index import PrefixIndex, TierMatch
-from .retention import TTL_1H, TTL_5M, TTL_SECONDS, UNATTRIBUTED, RetainResult, RetentionOwner
+from .retention import (
+    TTL_1H,
+    TTL_5M,
+    TTL_SECONDS,
+    UNATTRIBUTED,
+    RetainResult,
+    RetentionOwner,
+)
 from .tier import TIER_ORDER, Tier
 from .tier_store import SlotState, TierSlot, TierStats, TierStore
 
 __all__ = [
     "DEFAULT_EVICTION",
     "EVICTION_POLICIES",
-    "MAX_LOOKBACK",
+    "MAX_LOOKBACK_BOUNDARIES",
     "ROOT_HASH",
     "TIER_ORDER",
     "TTL_1H",
@@ -83,6 +98,8 @@ __all__ = [
     "KeySpan",
     "LRUEviction",
     "ManualClock",
+    "PinLedger",
+    "PinStats",
     "PoolExhaustedError",
     "PrefixIndex",
     "PrefixMatch",

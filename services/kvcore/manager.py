@@ -20,8 +20,9 @@ from .retention import UNATTRIBUTED, RetainResult, RetentionOwner
 from .tier import Tier
 from .tier_store import TierSlot, TierStats, TierStore
 
-MAX_LOOKBACK = 20
-"""Content-block boundaries a breakpoint checks backwards, itself included."""
+MAX_LOOKBACK_BOUNDARIES = 20
+"""Breakpoint boundaries (content-block ends, one entry key each) a lookup checks
+backwards, the breakpoint itself included: boundaries, not hash blocks."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +73,7 @@ class CacheStats:
 class KVCacheManager:
     """Prefix hits, allocation transactions and TTL entries over one `BlockPool`."""
 
-    def __init__(self, pool: BlockPool, *, max_lookback: int = MAX_LOOKBACK) -> None:
+    def __init__(self, pool: BlockPool, *, max_lookback: int = MAX_LOOKBACK_BOUNDARIES) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self.max_lookback = max_lookback

@@ -8,8 +8,9 @@ snapshots see that engine's blocks exactly as they see a kvcore pool's, and it e
 kvcore `KVEvent`s for the bus.
 
 `MirrorCacheManager` adds the managed entries on top: TTL entries that are read only
-when the engine itself reports it reused their blocks, because a mirror cannot pin a
-block the engine is free to evict (retention is best effort there).
+when the engine itself reports it reused their blocks: a mirror cannot pin a block the
+engine is free to evict. (On vLLM a connector pins them, as `PinLedger` decides;
+entries still lapse here if it did not.)
 """
 
 from __future__ import annotations

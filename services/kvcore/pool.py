@@ -16,7 +16,7 @@ from .copies import BlockCopy
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from .eviction import EvictionPolicy, FreeQueue, LRUEviction
 from .hashing import BlockHash
-from .retention import UNATTRIBUTED, DeadlineHeap, RetainResult, RetentionOwner
+from .retention import UNATTRIBUTED, DeadlineHeap, RetainResult, RetentionOwner, owner_quota
 from .tier import Tier
 from .tier_store import TierSlot, TierStats, TierStore
 
@@ -321,9 +321,7 @@ class BlockPool:
 
     def owner_quota(self, owner: RetentionOwner) -> int:
         """Retained blocks ``owner`` may hold: its share (or the pool's) of the cap, floored."""
-        share = self.owner_share if owner.share is None else owner.share
-        # NOTE: the epsilon keeps e.g. 0.57 * 100 at 57, not 56.99999 -> 56.
-        return int(share * self.max_retained + 1e-9)
+        return owner_quota(owner, self.owner_share, self.max_retained)
 
     def retained_by(self, owner_key: str) -> int:
         """Retained blocks charged to ``owner_key`` right now."""

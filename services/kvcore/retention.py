@@ -64,6 +64,14 @@ class RetentionOwner:
             raise ValueError("an owner's retained share must be within [0, 1]")
 
 
+def owner_quota(owner: RetentionOwner, default_share: float, max_retained: int) -> int:
+    """Retained blocks ``owner`` may hold: its share (or ``default_share``) of the cap,
+    floored. The one rule of `BlockPool` and `PinLedger`."""
+    share = default_share if owner.share is None else owner.share
+    # NOTE: the epsilon keeps e.g. 0.57 * 100 at 57, not 56.99999 -> 56.
+    return int(share * max_retained + 1e-9)
+
+
 UNATTRIBUTED = RetentionOwner("-")
 """Owner of retains that name none (old callers, tools): one tenant, the default share."""
 

@@ -4,9 +4,9 @@ Pure (no I/O, no clock, no asyncio): the gateway and the trace simulator import
 the same classes.
 """
 
-from .costs import DEVICE_EQUIVALENT, TierValue, lower_hit_value, tier_value
-from .decision import Candidate, NoReplicaError, RouteDecision
-from .policies import (
+from cachepoint.routing.costs import DEVICE_EQUIVALENT, TierValue, lower_hit_value, tier_value
+from cachepoint.routing.decision import Candidate, NoReplicaError, RouteDecision
+from cachepoint.routing.policies import (
     CacheAwarePolicy,
     LeastLoadedPolicy,
     PrefixAffinityPolicy,
@@ -15,8 +15,8 @@ from .policies import (
     routable,
     usable_blocks,
 )
-from .registry import DEFAULT_POLICY, POLICIES, make_policy
-from .view import ReplicaView
+from cachepoint.routing.registry import DEFAULT_POLICY, POLICIES, make_policy
+from cachepoint.routing.view import ReplicaView
 
 __all__ = [
     "DEFAULT_POLICY",

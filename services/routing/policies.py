@@ -13,9 +13,8 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from cachepoint.kvcore import BlockHash
-
-from .decision import Candidate, NoReplicaError, RouteDecision
-from .view import ReplicaView
+from cachepoint.routing.decision import Candidate, NoReplicaError, RouteDecision
+from cachepoint.routing.view import ReplicaView
 
 
 class RoutingPolicy(Protocol):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .policies import (
+from cachepoint.routing.policies import (
     CacheAwarePolicy,
     LeastLoadedPolicy,
     PrefixAffinityPolicy,

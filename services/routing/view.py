@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cachepoint.kvcore import PrefixIndex
-
-from .costs import TierValue
+from cachepoint.routing.costs import TierValue
 
 _UNREPORTED = TierValue()  # the defaults a replica gets until its heartbeat says otherwise
 

@@ -3,14 +3,14 @@
 `cachepoint sim` is its command line; docs/sim.md describes the model and formats.
 """
 
-from .billing import PriceTable, Usage
-from .bound import CacheBound, ReuseProfile, infinite_cache_bound, reuse_profile
-from .cost import ReplicaCostModel
-from .result import SimResult
-from .simulator import PreparedTrace, SimConfig, Simulator, run_simulation
-from .trace import (
-    Breakpoint,
+from cachepoint.sim.billing import PriceTable, Usage
+from cachepoint.sim.bound import CacheBound, ReuseProfile, infinite_cache_bound, reuse_profile
+from cachepoint.sim.cost import ReplicaCostModel
+from cachepoint.sim.result import SimResult
+from cachepoint.sim.simulator import PreparedTrace, SimConfig, Simulator, run_simulation
+from cachepoint.sim.trace import (
     Trace,
+    TraceBreakpoint,
     TraceError,
     TraceRecorder,
     TraceRequest,
@@ -21,7 +21,6 @@ from .trace import (
 )
 
 __all__ = [
-    "Breakpoint",
     "CacheBound",
     "PreparedTrace",
     "PriceTable",
@@ -31,6 +30,7 @@ __all__ = [
     "SimResult",
     "Simulator",
     "Trace",
+    "TraceBreakpoint",
     "TraceError",
     "TraceRecorder",
     "TraceRequest",

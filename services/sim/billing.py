@@ -13,8 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cachepoint.billing import READ_MULT, WRITE_1H_MULT, WRITE_5M_MULT, walk_breakpoints
-
-from .trace import Breakpoint
+from cachepoint.sim.trace import TraceBreakpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +74,7 @@ def usage_for(
     input_length: int,
     output_length: int,
     read_tokens: int,
-    breakpoints: Sequence[Breakpoint],
+    breakpoints: Sequence[TraceBreakpoint],
     written: Sequence[bool],
 ) -> Usage:
     """Split a prompt into the buckets (cachepoint.billing's ``walk_breakpoints``).

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .content import PreparedRequest
-from .trace import Trace
+from cachepoint.sim.content import PreparedRequest
+from cachepoint.sim.trace import Trace
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,9 +11,11 @@ from typing import Any
 
 from cachepoint.kvcore import DEFAULT_EVICTION, EVICTION_POLICIES
 from cachepoint.routing import DEFAULT_POLICY, POLICIES
-
-from .simulator import RETENTION_MODES, PreparedTrace, SimConfig, Simulator
-from .trace import TraceError, load_trace
+from cachepoint.sim.progress import ProgressBar
+from cachepoint.sim.report import write_report
+from cachepoint.sim.scaling import run_scaling
+from cachepoint.sim.simulator import RETENTION_MODES, PreparedTrace, SimConfig, Simulator
+from cachepoint.sim.trace import TraceError, load_trace
 
 # NOTE: read from the product's own defaults, so "what the product ships" stays true
 # when either changes; docs/sim.md has the measurements behind both.
@@ -279,8 +281,6 @@ def run_sim_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     """Dispatch `cachepoint sim ...`; trace and option errors print one line, exit 2."""
     try:
         if args.sim_command == "report":
-            from .report import write_report
-
             return write_report(
                 _resolve_full_trace(parser, args.trace),
                 Path(args.out),
@@ -288,8 +288,6 @@ def run_sim_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -
                 quick=args.quick,
             )
         if args.sim_command == "scaling":
-            from .scaling import run_scaling
-
             return run_scaling(
                 _resolve_trace(args.trace),
                 args.blocks,
@@ -327,8 +325,6 @@ def _run_one(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     show = sys.stderr.isatty() if args.progress is None else args.progress
     progress = None
     if show:
-        from .progress import ProgressBar
-
         progress = ProgressBar()
     result = Simulator(prepared, config).run(progress)
     if args.json:

@@ -12,8 +12,7 @@ from array import array
 from dataclasses import dataclass
 
 from cachepoint.kvcore import ROOT_HASH, BlockHash, ExtraKeys, hash_blocks
-
-from .trace import Trace, TraceRequest
+from cachepoint.sim.trace import Trace, TraceRequest
 
 VOCAB = 128_256  # token ids stay inside a Llama-3-sized vocabulary
 ID_TOKENS = 3  # leading tokens that spell the id in base VOCAB: ids up to VOCAB**3 (2e15)

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .cost import ReplicaCostModel
+from cachepoint.sim.cost import ReplicaCostModel
 
 LINKS = ("h2d", "d2h", "nvme")  # a replica's copy links
 

@@ -15,9 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cachepoint.kvcore import BlockHash, Clock, FreeQueue, KVBlock, PriorityFreeQueue
-
-from .content import PreparedRequest
-from .trace import Trace
+from cachepoint.sim.content import PreparedRequest
+from cachepoint.sim.trace import Trace
 
 
 class NextUseTable:

@@ -19,12 +19,11 @@ from cachepoint.kvcore import (
     TierStore,
 )
 from cachepoint.routing import ReplicaView
-
-from .content import PreparedRequest
-from .cost import ReplicaCostModel
-from .links import LinkSchedule
-from .result import ReplicaStats
-from .trace import Breakpoint, TraceRequest
+from cachepoint.sim.content import PreparedRequest
+from cachepoint.sim.cost import ReplicaCostModel
+from cachepoint.sim.links import LinkSchedule
+from cachepoint.sim.result import ReplicaStats
+from cachepoint.sim.trace import TraceBreakpoint, TraceRequest
 
 
 def make_eviction(name: str, **options: Any) -> EvictionPolicy:
@@ -75,7 +74,7 @@ class Job:
         arrival: float,
         req: TraceRequest,
         prep: PreparedRequest,
-        breakpoints: tuple[Breakpoint, ...],
+        breakpoints: tuple[TraceBreakpoint, ...],
     ) -> None:
         self.index = index  # position in the trace
         self.arrival = arrival  # simulated arrival time, seconds

@@ -22,13 +22,12 @@ from typing import Any
 from cachepoint.kvcore import DEFAULT_EVICTION as SHIPPED_EVICTION
 from cachepoint.routing import DEFAULT_POLICY as SHIPPED_POLICY
 from cachepoint.routing import CacheAwarePolicy
-
-from .billing import PriceTable
-from .bound import reuse_profile
-from .cost import ReplicaCostModel
-from .progress import ProgressBar
-from .simulator import PreparedTrace, SimConfig, Simulator
-from .trace import load_trace
+from cachepoint.sim.billing import PriceTable
+from cachepoint.sim.bound import reuse_profile
+from cachepoint.sim.cost import ReplicaCostModel
+from cachepoint.sim.progress import ProgressBar
+from cachepoint.sim.simulator import PreparedTrace, SimConfig, Simulator
+from cachepoint.sim.trace import load_trace
 
 BASELINE = "cache_aware + lru"  # the simplest baseline: longest match, load penalty, LRU
 SHIPPED = f"{SHIPPED_POLICY} + {SHIPPED_EVICTION}"  # the label of what the product ships

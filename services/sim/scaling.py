@@ -27,10 +27,9 @@ from cachepoint.events.schema import (
 )
 from cachepoint.kvcore import BlockHash, BlockRemoved, BlockStored, KVEvent, PrefixIndex
 from cachepoint.routing import ReplicaView, RoutingPolicy, make_policy
-
-from .replica import SimReplica
-from .simulator import PreparedTrace, SimConfig, Simulator
-from .trace import load_trace
+from cachepoint.sim.replica import SimReplica
+from cachepoint.sim.simulator import PreparedTrace, SimConfig, Simulator
+from cachepoint.sim.trace import load_trace
 
 
 def encode_events(

@@ -29,16 +29,15 @@ from cachepoint.kvcore import (
     entry_key,
 )
 from cachepoint.routing import NoReplicaError, RoutingPolicy, make_policy, tier_value
-
-from .billing import PriceTable, Usage, usage_for
-from .bound import CacheBound, infinite_cache_bound
-from .content import PreparedRequest, TraceHasher
-from .cost import ReplicaCostModel
-from .links import LINKS
-from .oracle import NextUseTable, OracleEviction
-from .replica import Job, SimReplica, make_eviction
-from .result import SimResult, percentile
-from .trace import Breakpoint, Trace, TraceRequest
+from cachepoint.sim.billing import PriceTable, Usage, usage_for
+from cachepoint.sim.bound import CacheBound, infinite_cache_bound
+from cachepoint.sim.content import PreparedRequest, TraceHasher
+from cachepoint.sim.cost import ReplicaCostModel
+from cachepoint.sim.links import LINKS
+from cachepoint.sim.oracle import NextUseTable, OracleEviction
+from cachepoint.sim.replica import Job, SimReplica, make_eviction
+from cachepoint.sim.result import SimResult, percentile
+from cachepoint.sim.trace import Trace, TraceBreakpoint, TraceRequest
 
 RETENTION_MODES = ("none", "trace", "5m", "1h")  # --retention choices
 ProgressFn = Callable[[int, int], None]  # (requests done, requests total)
@@ -233,13 +232,13 @@ class Simulator:
 
     # --------------------------------------------------------------- requests
 
-    def _breakpoints(self, req: TraceRequest) -> tuple[Breakpoint, ...]:
+    def _breakpoints(self, req: TraceRequest) -> tuple[TraceBreakpoint, ...]:
         mode = self.config.retention
         if req.input_length < self.config.min_cacheable_tokens or mode == "none":
             return ()
         if mode == "trace":
             return tuple(req.breakpoints)
-        return (Breakpoint(req.input_length, mode),)
+        return (TraceBreakpoint(req.input_length, mode),)
 
     def _arrive(self, job: Job) -> None:
         prep = job.prep
@@ -331,7 +330,7 @@ class Simulator:
                 return hit.num_tokens
         return 0
 
-    def _write_entry(self, replica: SimReplica, job: Job, bp: Breakpoint) -> bool:
+    def _write_entry(self, replica: SimReplica, job: Job, bp: TraceBreakpoint) -> bool:
         if bp.tokens <= job.read_tokens:
             return True  # read, not written: usage_for skips it
         pos = self._entry_position(bp.tokens)

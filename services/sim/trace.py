@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from cachepoint.kvcore import TTL_SECONDS, BlockHash
+from cachepoint.kvcore.limits import MAX_BREAKPOINTS
 
 TRACE_FORMAT = "cachepoint-trace"  # the header's "format" value
 TRACE_VERSION = 1  # the header's "version" value this code reads and writes
 MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash id in Mooncake's traces
-MAX_BREAKPOINTS = 4  # contract §3: a fifth cache_control marker is a 400
 
 
 class TraceError(ValueError):
@@ -34,8 +34,9 @@ class TraceError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class Breakpoint:
-    """A `cache_control` marker: the prefix up to ``tokens`` is written with ``ttl``."""
+class TraceBreakpoint:
+    """A trace request's `cache_control` marker: the prefix up to ``tokens`` is written
+    with ``ttl``."""
 
     tokens: int  # prefix length it marks, 1..input_length
     ttl: str  # "5m" or "1h"
@@ -50,7 +51,7 @@ class TraceRequest:
     output_length: int  # generated tokens
     hash_ids: tuple[int, ...]  # one id per block_tokens-token block; the last may be partial
     tenant: str | None = None  # org id; different tenants never share a block (None: one tenant)
-    breakpoints: tuple[Breakpoint, ...] = ()  # cache_control markers, in prompt order
+    breakpoints: tuple[TraceBreakpoint, ...] = ()  # cache_control markers, in prompt order
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +181,7 @@ def _parse_request(
             f"{block_tokens}-token blocks need {need}"
         )
     tenant: str | None = None
-    breakpoints: tuple[Breakpoint, ...] = ()
+    breakpoints: tuple[TraceBreakpoint, ...] = ()
     if allow_extras:
         raw_tenant = obj.get("tenant")
         if raw_tenant is not None and (not isinstance(raw_tenant, str) or not raw_tenant):
@@ -190,12 +191,12 @@ def _parse_request(
     return TraceRequest(float(ts), input_length, output_length, tuple(ids), tenant, breakpoints)
 
 
-def _parse_breakpoints(raw: Any, where: str, input_length: int) -> tuple[Breakpoint, ...]:
+def _parse_breakpoints(raw: Any, where: str, input_length: int) -> tuple[TraceBreakpoint, ...]:
     if not isinstance(raw, list):
         raise TraceError(f"{where}: 'breakpoints' must be a list")
     if len(raw) > MAX_BREAKPOINTS:
         raise TraceError(f"{where}: {len(raw)} breakpoints; at most {MAX_BREAKPOINTS} are allowed")
-    out: list[Breakpoint] = []
+    out: list[TraceBreakpoint] = []
     for bp in raw:
         if not isinstance(bp, dict):
             raise TraceError(f"{where}: each breakpoint must be an object")
@@ -209,7 +210,7 @@ def _parse_breakpoints(raw: Any, where: str, input_length: int) -> tuple[Breakpo
             raise TraceError(f"{where}: breakpoints must be in increasing token order")
         if out and ttl == "1h" and out[-1].ttl == "5m":
             raise TraceError(f"{where}: a 1h breakpoint may not come after a 5m one")
-        out.append(Breakpoint(tokens, ttl))
+        out.append(TraceBreakpoint(tokens, ttl))
     return tuple(out)
 
 
@@ -264,7 +265,7 @@ class TraceRecorder:
         output_length: int,
         *,
         tenant: str | None = None,
-        breakpoints: Sequence[Breakpoint] = (),
+        breakpoints: Sequence[TraceBreakpoint] = (),
         tail_key: bytes | None = None,
     ) -> TraceRequest:
         """Record one request.

@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from .spanfile import JsonLinesSpanExporter
+from cachepoint.telemetry.spanfile import JsonLinesSpanExporter
 
 VERSION = "0.1.0"
 Exporter = Literal["auto", "otlp-grpc", "otlp-http", "file", "none"]

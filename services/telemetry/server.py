@@ -6,7 +6,7 @@ from typing import Any
 
 from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 
-from .provider import Telemetry
+from cachepoint.telemetry.provider import Telemetry
 
 UNTRACED_PATHS = "/healthz,/readyz,/metrics,/v1/stats"
 """Probes, scrapes and the gateway's load polls, which the server instrumentations skip:

@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
-from .store import SpanRow, Trace
+from cachepoint.telemetry.store import SpanRow, Trace
 
 # The attributes worth a glance in a waterfall row, by span name prefix.
 KEY_ATTRS = {

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
-from .gguf_vocab import build_backend, is_gguf, read_vocab
+from cachepoint.tokenizer.gguf_vocab import build_backend, is_gguf, read_vocab
 
 # NOTE: specials sit right after the 256 byte values so that every id below 256 is
 # exactly one byte; the role tokens let the gateway render turns without escaping text.

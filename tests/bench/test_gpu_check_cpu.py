@@ -135,4 +135,9 @@ def test_vllm_case_dry_runs_on_the_cpu_build() -> None:
     cached = [line for name, line in vllm.items() if name.startswith("vLLM: TTFT cached")]
     assert cached and all(" reused; " in line for line in cached), cached
     assert any(name.startswith("vLLM: decode, batch") for name in vllm), vllm
+    # the retention connector: pinned through three pools' worth of other prompts,
+    # while the unpinned control prefix is evicted
+    pinned = next(line for name, line in rows.items() if name.startswith("vLLM retention: pin"))
+    assert "PASS" in pinned and "'pinned': 1" in pinned, pinned
+    assert "control after the flood: 0 reused" in pinned, pinned
     assert "ERROR" not in proc.stdout

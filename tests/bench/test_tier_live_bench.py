@@ -148,7 +148,7 @@ def test_tiny_run_bills_exactly_and_promotes_from_the_host_tier(tmp_path, capsys
     # copy (its retained block stays below while the device's retained share is full)
     # depends on how the two callers interleave: run one at a time, this configuration
     # promotes nothing. Both are copies up from the host tier; promotion itself is
-    # pinned down in tests/scheduler/test_tiers.py.
+    # pinned down in tests/replica/test_tiers.py.
     assert host["hit_blocks"] > 0 and host["demoted_blocks"] > 0
     assert host["bytes"] == 4 * 2**20
     assert h.copied_blocks >= host["hit_blocks"]

@@ -30,7 +30,7 @@ from cachepoint.billing import (
     walk_breakpoints,
 )
 from cachepoint.sim.billing import PriceTable, Usage, usage_for
-from cachepoint.sim.trace import Breakpoint
+from cachepoint.sim.trace import TraceBreakpoint
 
 PRICE = Price(input_per_mtok=3_000_000, output_per_mtok=15_000_000)
 
@@ -195,7 +195,7 @@ def test_sim_cost_equals_the_gateway_cost(r, inp, outp):
 
 
 def test_sim_usage_for_is_the_shared_walk():
-    bps = (Breakpoint(2000, "1h"), Breakpoint(3000, "1h"), Breakpoint(5000, "5m"))
+    bps = (TraceBreakpoint(2000, "1h"), TraceBreakpoint(3000, "1h"), TraceBreakpoint(5000, "5m"))
     u = usage_for(6000, 10, 1000, bps, [True, False, True])
     b = walk_breakpoints(
         6000, 1000, [(2000, "1h", True), (3000, "1h", False), (5000, "5m", True)], 10

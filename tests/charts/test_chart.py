@@ -15,6 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from cachepoint.bench.kube.apiserver.schema import CustomResource
 from cachepoint.operator.spec import check
 
 from .conftest import (
@@ -89,9 +90,11 @@ def test_cache_replicas_match_the_crd_and_the_operators_checks(
     rendered: dict[str, list[dict[str, Any]]], scenario: str
 ) -> None:
     validator = jsonschema.Draft7Validator(crd_schema())
+    (served,) = CustomResource.from_crd(yaml.safe_load(CRD_FILE.read_text()))
     for doc in objects(rendered[scenario], "CacheReplica").values():
         errors = [f"{'.'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(doc)]
         assert errors == []
+        served.admit(doc, None)  # the CRD's CEL rules too, as the API server runs them
         check(doc["metadata"]["name"], doc["spec"])  # raises SpecError if it would be Degraded
 
 

@@ -7,10 +7,10 @@ import re
 from pathlib import Path
 
 from cachepoint.engine import Engine, EngineConfig, ModelConfig
-from cachepoint.gateway.metrics import GatewayMetrics
-from cachepoint.scheduler.metrics import ReplicaMetrics
-from cachepoint.scheduler.scheduler import Scheduler
-from cachepoint.scheduler.settings import ReplicaSettings
+from cachepoint.gateway.observability.metrics import GatewayMetrics
+from cachepoint.replica.loop import TorchCore
+from cachepoint.replica.metrics import ReplicaMetrics
+from cachepoint.replica.settings import ReplicaSettings
 
 DASHBOARD = Path(__file__).parents[2] / "charts" / "cachepoint" / "dashboards" / "cachepoint.json"
 
@@ -19,7 +19,7 @@ def exported() -> set[str]:
     gw = GatewayMetrics()
     gw.watch_plane(lambda: {"lag_s": 0.0, "resyncs": 0, "heartbeat_misses": 0, "live": 0})
     engine = Engine(ModelConfig.tiny(), EngineConfig(kv_cache_bytes=4 * 2**20, max_model_len=256))
-    rep = ReplicaMetrics(Scheduler(engine, ReplicaSettings()))
+    rep = ReplicaMetrics(TorchCore(engine, ReplicaSettings()))
     names: set[str] = set()
     for registry in (gw.registry, rep.registry):
         for fam in registry.collect():

@@ -152,6 +152,7 @@ REPLICAS = json.dumps(
     [
         {"name": "big", "gpusPerPod": 1, "model": {"name": "llama-3-8b"}},
         {"name": "tiny", "gpusPerPod": 0, "model": {"name": "cachepoint-tiny"}},
+        {"name": "fast", "engine": "vllm", "gpusPerPod": 1, "model": {"name": "llama-3-8b"}},
     ]
 )
 
@@ -181,6 +182,7 @@ def test_default_images_are_fully_qualified_with_the_app_version(helm: str) -> N
         "Pod/rel-cachepoint-gateway-test/healthz": "gateway",
         "CacheReplica/big": "replica-cuda",
         "CacheReplica/tiny": "replica-cpu",
+        "CacheReplica/fast": "replica-vllm",
     }
     assert images == {
         where: f"{registry}/cachepoint-{image}:{version}" for where, image in expected.items()
@@ -204,7 +206,7 @@ def test_global_image_registry_overrides_the_registry(
         f"replicas={REPLICAS}",
     )  # fmt: skip
     images = own_images(docs)
-    assert len(images) == 5
+    assert len(images) == 6
     for where, image in images.items():
         assert re.fullmatch(rf"{re.escape(prefix)}cachepoint-[a-z-]+:{version}", image), where
     # Third-party images keep their own upstream names.

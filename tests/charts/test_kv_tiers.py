@@ -8,6 +8,9 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
+from cachepoint.bench.kube.apiserver import chart
+from cachepoint.bench.kube.apiserver.schema import CustomResource
+from cachepoint.bench.kube.apiserver.status import ApiError
 from cachepoint.operator.config import OperatorConfig
 from cachepoint.operator.pod import build_replica_pod
 from cachepoint.operator.spec import check
@@ -132,3 +135,57 @@ def test_the_values_schema_accepts_sizes_as_numbers_or_text(helm: str) -> None:
     kv = cache_replicas(docs)["r"]["spec"]["kv"]
     assert kv == {"hostBytes": 34359738368, "diskBytes": "512GiB", "diskPath": "/kv"}
     assert check("r", cache_replicas(docs)["r"]["spec"]).kv.host_bytes == 32 * GI
+
+
+def admitted(doc: dict[str, Any]) -> dict[str, Any]:
+    """The CacheReplica as an API server stores it: schema, defaults and CEL rules."""
+    served = [s for crd in chart.crds() for s in CustomResource.from_crd(crd)]
+    (cache_replica,) = [s for s in served if s.kind == "CacheReplica"]
+    return cache_replica.admit(doc, None)
+
+
+def test_vllm_entries_take_the_host_tier_alone(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    replicas = cache_replicas(rendered[SCENARIO])
+    vllm, lru = replicas["llama-8b-vllm"], replicas["llama-8b-vllm-lru"]
+    # The disk defaults are kvcore's tier: left out for engine vllm, the host tier kept.
+    assert vllm["spec"]["kv"] == {"hostBytes": "64Gi"}
+    assert vllm["spec"]["image"].split("/")[-1].startswith("cachepoint-replica-vllm:")
+    assert admitted(vllm)["spec"]["kv"]["hostBytes"] == "64Gi"
+    assert admitted(lru)["spec"]["vllm"] == {"retention": False}
+
+    pod = member_pod(vllm)
+    kubernetes_validate.validate(pod, KUBE_VERSION, strict=True)
+    (container,) = pod["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["CACHEPOINT_REPLICA_ENGINE"] == "vllm"
+    assert env["CACHEPOINT_REPLICA_KV_HOST_BYTES"] == str(64 * GI)
+    assert "CACHEPOINT_REPLICA_KV_DISK_BYTES" not in env
+    assert "CACHEPOINT_REPLICA_VLLM_RETENTION" not in env  # the replica's default: on
+    assert "kv-disk" not in {v["name"] for v in pod["spec"]["volumes"]}
+    # vLLM's OffloadingConnector pins the host tier: 48Gi / 64Gi plus 64Gi.
+    assert container["resources"]["requests"]["memory"] == "112Gi"
+    assert container["resources"]["limits"]["memory"] == "128Gi"
+
+    env = {e["name"]: e.get("value") for e in member_pod(lru)["spec"]["containers"][0]["env"]}
+    assert env["CACHEPOINT_REPLICA_KV_HOST_BYTES"] == str(16 * GI)
+    assert env["CACHEPOINT_REPLICA_VLLM_RETENTION"] == "false"
+
+
+def test_a_cpu_vllm_entry_takes_no_host_tier_default(helm: str) -> None:
+    """vLLM's CPU build has no offloading connector: the fleet's host tier default is
+    not applied to it (set on the entry itself, the CRD refuses it)."""
+    entry = (
+        '{"name": "cpu-vllm", "engine": "vllm", "gpusPerPod": 0, "model": {"name": "m"}, '
+        '"kv": {"blockSize": 32}}'
+    )
+    docs = render(helm, SCENARIO, "--set-json", f"replicas=[{entry}]")
+    doc = cache_replicas(docs)["cpu-vllm"]
+    assert doc["spec"]["kv"] == {"blockSize": 32}
+    admitted(doc)
+    check("cpu-vllm", doc["spec"])
+    doc["spec"]["kv"]["hostBytes"] = "8Gi"
+    with pytest.raises(ApiError, match="vLLM's CPU build") as refused:
+        admitted(doc)
+    assert refused.value.code == 422

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from cachepoint.gateway.app import create_app
-from cachepoint.gateway.requestlog import LOGGER
+from cachepoint.gateway.observability.requestlog import LOGGER
 from cachepoint.gateway.settings import GatewaySettings
 from cachepoint.tokenizer import load_tokenizer
 

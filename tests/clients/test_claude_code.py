@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cachepoint.scheduler.random_model import RANDOM_CONTEXT
-from cachepoint.stack import Stack
+from cachepoint.embedded.stack import Stack
+from cachepoint.replica.random_model import RANDOM_CONTEXT
 
 from .harness import (
     CLAUDE,

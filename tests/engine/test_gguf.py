@@ -23,7 +23,7 @@ from cachepoint.engine.gguf_loader import (
     unpermute_rotary_rows,
 )
 from cachepoint.engine.weights import RandomWeights, hf_weight_shapes
-from cachepoint.scheduler.model_source import preset_path
+from cachepoint.replica.model_source import preset_path
 from cachepoint.tokenizer import load_tokenizer
 from cachepoint.tokenizer.gguf_vocab import gguf_model_name
 

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer, models
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from cachepoint.engine import BlockAllocator, Engine, EngineConfig, PrefillRequest
-from cachepoint.scheduler import cli
+from cachepoint.replica import cli
 
 from .helpers import random_prompt
 

@@ -23,7 +23,7 @@ from cachepoint.engine import (
     PrefillRequest,
     SamplingParams,
 )
-from cachepoint.scheduler.model_source import preset_path
+from cachepoint.replica.model_source import preset_path
 from cachepoint.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow

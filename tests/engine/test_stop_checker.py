@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachepoint.engine.sampling import StopChecker
-from cachepoint.scheduler.random_model import load_random_tokenizer, tokenizer_source
+from cachepoint.replica.random_model import load_random_tokenizer, tokenizer_source
 from cachepoint.tokenizer import ByteTokenizer
 
 BYTES = ByteTokenizer()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cachepoint.events import schema
-from cachepoint.gateway.directory import ReplicaDirectory
+from cachepoint.gateway.fleet.directory import ReplicaDirectory
 from cachepoint.kvcore import BlockRemoved, BlockStored, Tier, hash_blocks
 from cachepoint.routing import CacheAwarePolicy, TierValue, tier_value
 

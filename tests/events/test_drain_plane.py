@@ -20,9 +20,9 @@ from cachepoint.gateway.app import create_app
 from cachepoint.gateway.db.migrate import upgrade
 from cachepoint.gateway.db.session import make_engine, make_sessionmaker
 from cachepoint.gateway.settings import GatewaySettings
-from cachepoint.gateway.tenants import create_key, create_org
-from cachepoint.scheduler.api.app import create_app as create_replica_app
-from cachepoint.scheduler.settings import ReplicaSettings
+from cachepoint.gateway.tenancy.tenants import create_key, create_org
+from cachepoint.replica.api.app import create_app as create_replica_app
+from cachepoint.replica.settings import ReplicaSettings
 
 from .test_event_plane import wait_for
 

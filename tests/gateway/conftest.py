@@ -78,8 +78,8 @@ def stack(request, seeded_db, serve, tiny_engine):
     the same model name and byte tokenizer, so the same expected numbers hold."""
     from cachepoint.gateway.app import create_app
     from cachepoint.gateway.settings import GatewaySettings
-    from cachepoint.scheduler.api.app import create_app as create_replica_app
-    from cachepoint.scheduler.settings import ReplicaSettings
+    from cachepoint.replica.api.app import create_app as create_replica_app
+    from cachepoint.replica.settings import ReplicaSettings
 
     from ..conftest import VLLM_BLOCK
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from cachepoint.gateway.contract.breakpoints import CachePlan, ScopePolicy, resolve
-from cachepoint.gateway.contract.render import RenderedPrompt
+from cachepoint.gateway.contract.prompt import RenderedPrompt
 
 
 def plan_of(rendered: RenderedPrompt, block_size: int = 16) -> CachePlan:

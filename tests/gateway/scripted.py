@@ -25,9 +25,10 @@ from sqlalchemy import text
 from cachepoint.gateway.app import create_app
 from cachepoint.gateway.db.migrate import upgrade
 from cachepoint.gateway.db.session import make_engine, make_sessionmaker
+from cachepoint.gateway.fleet.routing import Routed
+from cachepoint.gateway.fleet.upstream import ReplicaClient
 from cachepoint.gateway.settings import GatewaySettings
-from cachepoint.gateway.tenants import create_key, create_org
-from cachepoint.gateway.upstream import ReplicaClient, Routed
+from cachepoint.gateway.tenancy.tenants import create_key, create_org
 
 MODEL = "cachepoint-tiny"
 

@@ -14,7 +14,7 @@ from decimal import Decimal
 import pytest
 
 from cachepoint.gateway.db.session import make_engine, make_sessionmaker
-from cachepoint.gateway.tenants import authenticate
+from cachepoint.gateway.tenancy.tenants import authenticate
 
 
 def admin(db: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -200,8 +200,8 @@ def _bill_users(
 ) -> None:
     """One ledger row per user id, at ``at``, priced at 3/15 USD per MTok."""
     from cachepoint.billing import Price, buckets
-    from cachepoint.gateway.ledger import Attribution, Charge, record
-    from cachepoint.gateway.tenants import get_org
+    from cachepoint.gateway.billing.ledger import Attribution, Charge, record
+    from cachepoint.gateway.tenancy.tenants import get_org
 
     engine = make_engine(db)
     with make_sessionmaker(engine)() as s:

@@ -12,9 +12,9 @@ from pydantic import ValidationError
 from sqlalchemy import text
 
 from cachepoint.gateway.admin.cli import main as admin
-from cachepoint.gateway.aliases import check_alias, concrete, match
 from cachepoint.gateway.db.session import make_engine
 from cachepoint.gateway.settings import GatewaySettings
+from cachepoint.gateway.tenancy.aliases import check_alias, concrete, match
 
 from .scripted import MODEL, Script, gateway_factory
 

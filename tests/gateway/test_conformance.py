@@ -296,7 +296,7 @@ def test_conformance_auth_errors(stack):
 def test_conformance_replica_failures_map_to_sdk_errors(seeded_db, serve, status, exc):
     from cachepoint.gateway.app import create_app
     from cachepoint.gateway.settings import GatewaySettings
-    from cachepoint.scheduler.echo import create_echo_app
+    from cachepoint.replica.echo import create_echo_app
 
     replica = serve(create_echo_app(fail_with=status))
     db, keys = seeded_db

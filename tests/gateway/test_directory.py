@@ -7,8 +7,8 @@ import logging
 import pytest
 
 from cachepoint.events import schema
-from cachepoint.gateway.directory import ReplicaDirectory
-from cachepoint.gateway.trust import UrlPolicy
+from cachepoint.gateway.fleet.directory import ReplicaDirectory
+from cachepoint.gateway.fleet.trust import UrlPolicy
 from cachepoint.kvcore import ManualClock, hash_blocks
 
 H = hash_blocks(list(range(16 * 8)), 16)
@@ -180,7 +180,7 @@ def test_directory_k8s_dns_urls_must_be_the_announced_pods():
 def test_directory_refusals_are_logged_at_most_once_a_minute(caplog):
     clock = ManualClock(0.0)
     d = ReplicaDirectory(clock=clock, wall_ns=lambda: NOW_NS)
-    with caplog.at_level(logging.WARNING, logger="cachepoint.gateway.directory"):
+    with caplog.at_level(logging.WARNING, logger="cachepoint.gateway.fleet.directory"):
         for _ in range(50):
             d.on_heartbeat(hb(epoch=2**62))
         clock.advance(61)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from cachepoint.gateway.contract import encoding
 from cachepoint.gateway.contract.encoding import PromptTooLong, chunks, encode_pieces
-from cachepoint.scheduler.model_source import preset_path
+from cachepoint.replica.model_source import preset_path
 from cachepoint.tokenizer import ByteTokenizer, load_tokenizer
 
 

@@ -1,4 +1,4 @@
-"""Which URL a replica may announce (gateway/trust.py) and how the CLI and settings
+"""Which URL a replica may announce (gateway/fleet/trust.py) and how the CLI and settings
 name replicas."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 from pydantic import ValidationError
 
 from cachepoint.gateway.cli import split_replicas
+from cachepoint.gateway.fleet.trust import UrlPolicy, k8s_dns_name
 from cachepoint.gateway.settings import GatewaySettings
-from cachepoint.gateway.trust import UrlPolicy, k8s_dns_name
-from cachepoint.scheduler.settings import ReplicaSettings
+from cachepoint.replica.settings import ReplicaSettings
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,8 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from cachepoint.scheduler.api.app import create_app as create_replica_app
-from cachepoint.scheduler.settings import ReplicaSettings
+from cachepoint.replica.api.app import create_app as create_replica_app
+from cachepoint.replica.settings import ReplicaSettings
 
 from .scripted import MODEL, Gateway, Script, gateway_factory
 

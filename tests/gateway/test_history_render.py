@@ -14,7 +14,7 @@ from cachepoint.gateway.contract.render import Renderer, degraded, degraded_head
 from cachepoint.gateway.contract.template import build_renderer
 from cachepoint.gateway.contract.toolcalls import offered
 from cachepoint.gateway.schemas.messages import MessagesRequest
-from cachepoint.scheduler.model_source import preset_path
+from cachepoint.replica.model_source import preset_path
 from cachepoint.tokenizer import ByteTokenizer
 
 from .plans import last_breakpoint, plan_of

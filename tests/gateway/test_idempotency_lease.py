@@ -5,7 +5,7 @@ renewing, and a retry takes the key over once the lease lapsed, billing the cut
 attempt from the charge its stream recorded (once, by its request id), instead of
 waiting an hour and getting a 409. Two gateways (two engines, two threads) racing for
 one lapsed key: exactly one wins. The end-to-end crash (kill -9 of a real gateway
-process) is tests/cachepoint/test_crash_idempotency.py.
+process) is tests/embedded/test_crash_idempotency.py.
 """
 
 from __future__ import annotations
@@ -25,19 +25,19 @@ from alembic.config import Config
 from sqlalchemy import Engine, select, text, update
 
 from cachepoint.billing import Buckets, Price
-from cachepoint.gateway import idempotency
-from cachepoint.gateway.db.migrate import MIGRATIONS, upgrade
-from cachepoint.gateway.db.models import IdempotencyRecord, UsageRecord
-from cachepoint.gateway.db.session import make_engine
-from cachepoint.gateway.errors import ApiError
-from cachepoint.gateway.ledger import (
+from cachepoint.gateway.billing.ledger import (
     Attribution,
     Charge,
     charge_from_json,
     charge_to_json,
     record_on,
 )
-from cachepoint.gateway.tenants import KeyContext, ScopePolicy
+from cachepoint.gateway.db.migrate import MIGRATIONS, upgrade
+from cachepoint.gateway.db.models import IdempotencyRecord, UsageRecord
+from cachepoint.gateway.db.session import make_engine
+from cachepoint.gateway.errors import ApiError
+from cachepoint.gateway.tenancy import idempotency
+from cachepoint.gateway.tenancy.tenants import KeyContext, ScopePolicy
 
 CTX = KeyContext("key-1", "org-1", None, False, ScopePolicy())
 DIGEST = "d" * 64

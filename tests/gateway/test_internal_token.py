@@ -8,8 +8,8 @@ import pytest
 
 from cachepoint.gateway.app import create_app
 from cachepoint.gateway.settings import GatewaySettings
-from cachepoint.scheduler.api.app import create_app as create_replica_app
-from cachepoint.scheduler.settings import ReplicaSettings
+from cachepoint.replica.api.app import create_app as create_replica_app
+from cachepoint.replica.settings import ReplicaSettings
 
 TOKEN = "shared-internal-token"
 

@@ -12,9 +12,8 @@ from hypothesis import strategies as st
 from sqlalchemy import func, select
 
 from cachepoint.billing import Price, buckets, cost_micros
-from cachepoint.gateway.db.models import Base, UsageRecord
-from cachepoint.gateway.ledger import Charge, record
-from cachepoint.gateway.reports import (
+from cachepoint.gateway.billing.ledger import Charge, record
+from cachepoint.gateway.billing.reports import (
     COST_GROUPS,
     USAGE_GROUPS,
     WIDTHS,
@@ -22,7 +21,8 @@ from cachepoint.gateway.reports import (
     parse_query,
     usage_report,
 )
-from cachepoint.gateway.tenants import (
+from cachepoint.gateway.db.models import Base, UsageRecord
+from cachepoint.gateway.tenancy.tenants import (
     authenticate,
     create_key,
     create_org,

@@ -27,8 +27,8 @@ def gateway(seeded_db, serve, tiny_engine):
     -> {"url", "keys", "app"}."""
     from cachepoint.gateway.app import create_app
     from cachepoint.gateway.settings import GatewaySettings
-    from cachepoint.scheduler.api.app import create_app as create_replica_app
-    from cachepoint.scheduler.settings import ReplicaSettings
+    from cachepoint.replica.api.app import create_app as create_replica_app
+    from cachepoint.replica.settings import ReplicaSettings
 
     db, keys = seeded_db
     replica: list[str] = []
@@ -333,7 +333,7 @@ def _key_id(db: str, raw: str) -> str:
 
     from cachepoint.gateway.db.models import ApiKey
     from cachepoint.gateway.db.session import make_engine, make_sessionmaker
-    from cachepoint.gateway.tenants import hash_key
+    from cachepoint.gateway.tenancy.tenants import hash_key
 
     engine = make_engine(db)
     with make_sessionmaker(engine)() as s:

@@ -16,7 +16,7 @@ from cachepoint.gateway.pipeline import prepare
 from cachepoint.gateway.profiles import ModelProfile, profile_of
 from cachepoint.gateway.schemas.messages import MessagesRequest
 from cachepoint.gateway.settings import GatewaySettings
-from cachepoint.gateway.tenants import KeyContext
+from cachepoint.gateway.tenancy.tenants import KeyContext
 
 TINY, WIDE = "cachepoint-tiny", "wide-model"
 # TINY: a short window, caches from 64 tokens, stops on two ids. WIDE: the gateway-wide
@@ -93,18 +93,19 @@ def test_profiles_from_flags_and_from_the_environment(monkeypatch) -> None:
 
 def test_the_replica_payload_carries_the_models_stop_ids() -> None:
     s, renderer = _settings(), build_renderer(None)
-    tiny = prepare(MessagesRequest(**_body(TINY, 10)), CTX, set(), s, renderer, "req_1")
-    wide = prepare(MessagesRequest(**_body(WIDE, 10)), CTX, set(), s, renderer, "req_2")
-    assert tiny.payload["stop_token_ids"] == [10, 46]
-    assert wide.payload["stop_token_ids"] == []
+    kw = {"ctx": CTX, "betas": set(), "settings": s, "renderer": renderer}
+    tiny = prepare(MessagesRequest(**_body(TINY, 10)), **kw, request_id="req_1")
+    wide = prepare(MessagesRequest(**_body(WIDE, 10)), **kw, request_id="req_2")
+    assert tiny.payload.stop_token_ids == [10, 46]
+    assert wide.payload.stop_token_ids == []
 
 
 @pytest.fixture
 def gateway(seeded_db, serve, tiny_engine):
     from cachepoint.engine import Engine, EngineConfig, ModelConfig
     from cachepoint.gateway.app import create_app
-    from cachepoint.scheduler.api.app import create_app as create_replica_app
-    from cachepoint.scheduler.settings import ReplicaSettings
+    from cachepoint.replica.api.app import create_app as create_replica_app
+    from cachepoint.replica.settings import ReplicaSettings
 
     db, keys = seeded_db
     # NOTE: one replica per model: the gateway routes a model only to replicas serving it.

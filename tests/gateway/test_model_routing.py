@@ -9,10 +9,9 @@ import msgspec
 import pytest
 
 from cachepoint.events import schema
-from cachepoint.gateway.directory import ReplicaDirectory
 from cachepoint.gateway.errors import ApiError
-from cachepoint.gateway.routing import DirectoryRouter
-from cachepoint.gateway.upstream import RouteRequest
+from cachepoint.gateway.fleet.directory import ReplicaDirectory
+from cachepoint.gateway.fleet.routing import DirectoryRouter, RouteRequest
 
 PROMPT = list(range(64))
 
@@ -53,7 +52,7 @@ def router(*beats: schema.Heartbeat) -> DirectoryRouter:
     d = ReplicaDirectory()
     for beat in beats:
         d.on_heartbeat(beat)
-    return DirectoryRouter(d, httpx.AsyncClient(), "cache_aware", 16)
+    return DirectoryRouter(d, httpx.AsyncClient(), policy="cache_aware", block_size=16)
 
 
 def ask(r: DirectoryRouter, model: str, avoid: frozenset[str] = frozenset()) -> str:

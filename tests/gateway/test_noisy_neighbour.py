@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from cachepoint.bench.loopback import echo_gateway, reset_peak, seed_orgs, status_kib
-from cachepoint.scheduler.model_source import preset_path
+from cachepoint.replica.model_source import preset_path
 
 MODEL = "cachepoint-tiny"
 SMALL = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from cachepoint.gateway.contract.template import build_renderer
 from cachepoint.gateway.schemas.messages import MessagesRequest
-from cachepoint.scheduler.model_source import preset_path
+from cachepoint.replica.model_source import preset_path
 
 from .plans import last_breakpoint
 

@@ -25,7 +25,7 @@ from cachepoint.gateway.contract.template import (
     load_chat_template,
 )
 from cachepoint.gateway.schemas.messages import MessagesRequest
-from cachepoint.scheduler.model_source import preset_path
+from cachepoint.replica.model_source import preset_path
 
 from .plans import plan_of
 

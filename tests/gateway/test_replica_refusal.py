@@ -10,11 +10,11 @@ import httpx
 import pytest
 
 from cachepoint.gateway.app import create_app
-from cachepoint.gateway.directory import ReplicaDirectory
-from cachepoint.gateway.routing import DirectoryRouter
+from cachepoint.gateway.fleet.directory import ReplicaDirectory
+from cachepoint.gateway.fleet.routing import DirectoryRouter
 from cachepoint.gateway.settings import GatewaySettings
-from cachepoint.scheduler.echo import create_echo_app
-from cachepoint.scheduler.model_source import RANDOM_MODEL_NAME
+from cachepoint.replica.echo import create_echo_app
+from cachepoint.replica.model_source import RANDOM_MODEL_NAME
 
 from .test_model_routing import hb
 
@@ -26,7 +26,9 @@ def _gateway(serve, seeded_db, replicas: dict[str, tuple[str, int]]) -> tuple[st
     directory = ReplicaDirectory()
     for name, (url, queued) in replicas.items():
         directory.on_heartbeat(hb(name, RANDOM_MODEL_NAME, queued=queued, url=url))
-    router = DirectoryRouter(directory, httpx.AsyncClient(timeout=30), "cache_aware", 16)
+    router = DirectoryRouter(
+        directory, httpx.AsyncClient(timeout=30), policy="cache_aware", block_size=16
+    )
     db, keys = seeded_db
     return serve(create_app(GatewaySettings(database_url=db), router)), keys["a"]
 

@@ -14,10 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cachepoint.billing import Price, buckets
-from cachepoint.gateway.db.migrate import upgrade
-from cachepoint.gateway.db.session import make_engine, make_sessionmaker
-from cachepoint.gateway.ledger import Charge, record
-from cachepoint.gateway.reports import (
+from cachepoint.gateway.billing.ledger import Charge, record
+from cachepoint.gateway.billing.reports import (
     LIMITS,
     USAGE_GROUPS,
     WIDTHS,
@@ -27,7 +25,9 @@ from cachepoint.gateway.reports import (
     rfc3339,
     usage_report,
 )
-from cachepoint.gateway.tenants import get_org
+from cachepoint.gateway.db.migrate import upgrade
+from cachepoint.gateway.db.session import make_engine, make_sessionmaker
+from cachepoint.gateway.tenancy.tenants import get_org
 
 RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z")
 ENDPOINTS = ("/v1/organizations/usage_report/messages", "/v1/organizations/cost_report")

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from cachepoint.gateway.db.session import make_engine, make_sessionmaker
-from cachepoint.gateway.tenants import get_org
+from cachepoint.gateway.tenancy.tenants import get_org
 
 MODEL = "cachepoint-tiny"
 NUM_BLOCKS = 64  # retained budget: 32 blocks; default org quota: 16
@@ -35,8 +35,8 @@ def small_stack(seeded_db, serve):
     from cachepoint.engine import Engine, EngineConfig, ModelConfig
     from cachepoint.gateway.app import create_app
     from cachepoint.gateway.settings import GatewaySettings
-    from cachepoint.scheduler.api.app import create_app as create_replica_app
-    from cachepoint.scheduler.settings import ReplicaSettings
+    from cachepoint.replica.api.app import create_app as create_replica_app
+    from cachepoint.replica.settings import ReplicaSettings
 
     cfg = ModelConfig.tiny()
     per_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * (cfg.hidden_size // cfg.num_heads) * 4

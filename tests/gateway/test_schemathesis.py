@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 
 from cachepoint.gateway.app import create_app
 from cachepoint.gateway.settings import GatewaySettings
-from cachepoint.scheduler.echo import create_echo_app
+from cachepoint.replica.echo import create_echo_app
 
 
 def _fuzz(op: Any, key: str, statuses: set[tuple[str, int]]) -> int:

@@ -13,11 +13,17 @@ from sqlalchemy import inspect, text
 
 from cachepoint.billing import Price, buckets, cost_micros, uncached_cost_micros
 from cachepoint.gateway.admin.cli import main as admin
+from cachepoint.gateway.billing.ledger import Attribution, Charge, record
+from cachepoint.gateway.billing.reports import (
+    USAGE_GROUPS,
+    WIDTHS,
+    parse_query,
+    spend,
+    usage_report,
+)
 from cachepoint.gateway.db.migrate import MIGRATIONS, upgrade
 from cachepoint.gateway.db.session import make_engine, make_sessionmaker
-from cachepoint.gateway.ledger import Attribution, Charge, record
-from cachepoint.gateway.reports import USAGE_GROUPS, WIDTHS, parse_query, spend, usage_report
-from cachepoint.gateway.tenants import create_org
+from cachepoint.gateway.tenancy.tenants import create_org
 
 PRICE = Price(3_000_000, 15_000_000)  # $3 / $15 per MTok: 3 and 15 micro-dollars a token
 T0 = datetime(2026, 11, 30, 10, 0, tzinfo=UTC)

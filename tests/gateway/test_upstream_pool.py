@@ -7,7 +7,7 @@ import anthropic
 
 from cachepoint.gateway.app import create_app
 from cachepoint.gateway.settings import GatewaySettings
-from cachepoint.scheduler.echo import create_echo_app
+from cachepoint.replica.echo import create_echo_app
 
 
 def test_sequential_requests_share_one_connection_to_the_replica(serve, seeded_db) -> None:

@@ -8,8 +8,15 @@ from typing import Any
 import kmock
 import pytest
 
-from .apiserver.faults import Faults
-from .conftest import CR, OPERATOR_API_TOKEN, PODS, Cluster, cache_replica, running_operator
+from cachepoint.bench.kube.apiserver.faults import Faults
+from cachepoint.bench.kube.cluster import (
+    CR,
+    OPERATOR_API_TOKEN,
+    PODS,
+    Cluster,
+    cache_replica,
+    running_operator,
+)
 
 AS_OPERATOR = {"Authorization": f"Bearer {OPERATOR_API_TOKEN}"}
 

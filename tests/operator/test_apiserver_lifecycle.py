@@ -8,8 +8,8 @@ from typing import Any
 
 import kmock
 
-from .apiserver import lifecycle
-from .conftest import CR, NAMESPACE, PODS, SERVICES, Cluster, cache_replica
+from cachepoint.bench.kube.apiserver import lifecycle
+from cachepoint.bench.kube.cluster import CR, NAMESPACE, PODS, SERVICES, Cluster, cache_replica
 
 MERGE = {"Content-Type": "application/merge-patch+json"}
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from .apiserver import chart
-from .apiserver.rbac import Attributes, Authorizer, verb_of
-from .conftest import (
+from cachepoint.bench.kube.apiserver import chart
+from cachepoint.bench.kube.apiserver.rbac import Attributes, Authorizer, verb_of
+from cachepoint.bench.kube.cluster import (
     CR,
     NAMESPACE,
     OPERATOR_API_TOKEN,
@@ -23,7 +23,7 @@ from .conftest import (
     Cluster,
     cache_replica,
 )
-from .emulator import ApiServer
+from cachepoint.bench.kube.emulator import ApiServer
 
 SA = "ops/bot"
 USER = "system:serviceaccount:ops:bot"

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from .apiserver import cel, chart
-from .apiserver.schema import CustomResource, apply_defaults, prune, validate
-from .apiserver.status import ApiError
-from .emulator import ApiServer
+from cachepoint.bench.kube.apiserver import cel, chart
+from cachepoint.bench.kube.apiserver.schema import CustomResource, apply_defaults, prune, validate
+from cachepoint.bench.kube.apiserver.status import ApiError
+from cachepoint.bench.kube.emulator import ApiServer
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

@@ -119,7 +119,7 @@ def test_env_carries_the_replica_settings_nats_and_otlp() -> None:
 
 
 def test_the_engine_reaches_the_replica_and_its_settings_accept_it() -> None:
-    from cachepoint.scheduler.settings import ReplicaSettings
+    from cachepoint.replica.settings import ReplicaSettings
 
     assert env_of(pod(make_spec()))["CACHEPOINT_REPLICA_ENGINE"] == "torch"
     spec = make_spec(engine="vllm", gpusPerPod=1, kv={"blockSize": 16})
@@ -301,7 +301,7 @@ def test_users_record_merges_one_cache_replica_at_a_time() -> None:
 def test_the_advertised_url_passes_the_gateways_k8s_dns_rule() -> None:
     # A contract test across components (the operator itself imports no gateway code):
     # what a member announces is what the chart's gateway (k8s-dns) accepts for it.
-    from cachepoint.gateway.trust import UrlPolicy
+    from cachepoint.gateway.fleet.trust import UrlPolicy
 
     policy = UrlPolicy(mode="k8s-dns")
     env = env_of(pod(make_spec(), index=2, config=SECURE))

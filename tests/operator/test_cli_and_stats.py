@@ -7,11 +7,10 @@ import sys
 
 import pytest
 
+from cachepoint.bench.kube.cluster import INTERNAL_TOKEN, StatsServer
 from cachepoint.operator.config import OperatorConfig
 from cachepoint.operator.main import parse_args
 from cachepoint.operator.stats import ReplicaStats, poll, stats_url
-
-from .conftest import INTERNAL_TOKEN, StatsServer
 
 
 def test_help_runs_without_a_cluster() -> None:

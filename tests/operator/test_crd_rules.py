@@ -19,9 +19,8 @@ import yaml
 from pydantic import BaseModel
 from pydantic.alias_generators import to_camel
 
+from cachepoint.bench.kube.apiserver.schema import apply_defaults
 from cachepoint.operator.spec import ReplicaSpec, SpecError, check
-
-from .apiserver.schema import apply_defaults
 
 CRD = Path(__file__).parents[2] / "charts/cachepoint/crds/cachereplicas.cachepoint.dev.yaml"
 MINIMAL = {"image": "replica:1", "model": {"name": "m"}}
@@ -115,6 +114,19 @@ VALID = [
         "r",
         {**MINIMAL, "engine": "vllm", "kv": {"hostBytes": "0Gi", "diskBytes": 0}},
     ),
+    # vLLM's own host tier (its OffloadingConnector) on GPUs.
+    ("vllm-gpu-host-tier", "r", {**MINIMAL, "engine": "vllm", "kv": {"hostBytes": "8Gi"}}),
+    (
+        "vllm-gpu-host-tier-int-empty-vllm",
+        "r",
+        {**MINIMAL, "engine": "vllm", "gpusPerPod": 2, "kv": {"hostBytes": 1 << 33}, "vllm": {}},
+    ),
+    ("vllm-retention-off", "r", {**MINIMAL, "engine": "vllm", "vllm": {"retention": False}}),
+    (
+        "vllm-cpu-zero-host-tier",
+        "r",
+        {**MINIMAL, "engine": "vllm", "gpusPerPod": 0, "kv": {"blockSize": 32, "hostBytes": 0}},
+    ),
     (
         "torch-tiers-eviction",
         "r",
@@ -183,10 +195,27 @@ INVALID = [
         "exclusive: give one source",
     ),
     (
-        "vllm-host-tier",
+        "vllm-cpu-host-tier",
         "r",
-        {**MINIMAL, "engine": "vllm", "kv": {"hostBytes": "8Gi"}},
-        "vLLM KV connector",
+        {
+            **MINIMAL,
+            "engine": "vllm",
+            "gpusPerPod": 0,
+            "kv": {"blockSize": 32, "hostBytes": "8Gi"},
+        },
+        "vLLM's CPU build (gpusPerPod 0) has no host tier",
+    ),
+    (
+        "vllm-disk-tier",
+        "r",
+        {**MINIMAL, "engine": "vllm", "kv": TIERS},
+        "kvcore's disk tier, which engine vllm does not have",
+    ),
+    (
+        "vllm-settings-on-torch",
+        "r",
+        {**MINIMAL, "vllm": {"retention": False}},
+        "applies to engine vllm only",
     ),
     (
         "vllm-eviction",

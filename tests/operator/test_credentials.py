@@ -14,7 +14,7 @@ from typing import Any
 
 import kmock
 
-from .conftest import (
+from cachepoint.bench.kube.cluster import (
     INTERNAL_TOKEN,
     NAMESPACE,
     SECRETS,

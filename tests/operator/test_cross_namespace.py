@@ -14,11 +14,10 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from cachepoint.bench.kube.apiserver.chart import CHART, ChartError, find_helm
 from cachepoint.operator.config import OperatorConfig
 from cachepoint.operator.pod import build_replica_pod
 from cachepoint.operator.spec import parse_spec
-
-from .apiserver.chart import CHART, ChartError, find_helm
 
 RELEASE, RELEASE_NAMESPACE = "rel", "cachepoint"
 

@@ -40,7 +40,8 @@ import pytest
 import yaml
 from sqlalchemy import create_engine, text
 
-from .conftest import Cluster, running_operator
+from cachepoint.bench.kube.cluster import Cluster, running_operator
+
 from .process_kubelet import BIN, NatsUsersReloader, ProcessKubelet
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,7 +132,7 @@ def postgres_db() -> Iterator[str]:
 def seed_tenant(db_url: str) -> str:
     from cachepoint.gateway.db.migrate import upgrade
     from cachepoint.gateway.db.session import make_engine, make_sessionmaker
-    from cachepoint.gateway.tenants import create_key, create_org
+    from cachepoint.gateway.tenancy.tenants import create_key, create_org
 
     engine = make_engine(db_url)
     upgrade(engine)
@@ -302,8 +303,8 @@ async def fleet(cluster: Cluster, tmp_path: Path) -> AsyncIterator[tuple[Fleet, 
     gateway_password = _secret_value(docs, f"{RELEASE}-cachepoint-auth", "nats-gateway-password")
     token = config.internal_token.get_secret_value() if config.internal_token else ""
 
-    from cachepoint.scheduler.random_model import RANDOM_CONTEXT
-    from cachepoint.stack import free_port, nats_binary
+    from cachepoint.embedded.stack import free_port, nats_binary
+    from cachepoint.replica.random_model import RANDOM_CONTEXT
 
     nport, gport = free_port(), free_port()
     conf_dir = tmp_path / "nats"

@@ -65,7 +65,7 @@ def mount(spec: ReplicaSpec, name: str = "kv-disk") -> dict[str, Any] | None:
 
 
 def test_kv_sizes_read_like_the_replicas() -> None:
-    from cachepoint.scheduler import settings
+    from cachepoint.replica import settings
 
     assert KV_UNITS == settings._UNITS
     for text in ("8Gi", "8GiB", "8g", "1.5Ti", "512Mi", "100", "64 KiB"):
@@ -198,7 +198,7 @@ def test_tiers_reach_the_replica_as_byte_counts() -> None:
 def test_the_replica_reads_the_env_the_operator_writes(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from cachepoint.scheduler.settings import ReplicaSettings
+    from cachepoint.replica.settings import ReplicaSettings
 
     spec = make_spec(kv={**TIERS, "diskPath": str(tmp_path / "kv")})
     for name, value in env_of(spec).items():
@@ -335,3 +335,155 @@ def test_the_crd_rejects_bad_tiers(kv: dict[str, Any], where: str) -> None:
     errors = kv_schema_errors(kv)
     assert errors
     assert all(e.startswith(where) for e in errors), errors
+
+
+# ------------------------------------------------------------------ engine vllm
+
+VLLM_HOST = {"hostBytes": "32Gi"}
+
+
+def vllm_spec(kv: dict[str, Any] | None = None, **overrides: Any) -> ReplicaSpec:
+    return make_spec(kv=kv, engine="vllm", **{"gpusPerPod": 1, **overrides})
+
+
+def test_a_gpu_vllm_member_gets_vllms_host_tier_in_its_env_and_memory() -> None:
+    spec = vllm_spec(
+        VLLM_HOST, resources={"requests": {"memory": "48Gi"}, "limits": {"memory": "64Gi"}}
+    )
+    assert spec_problems("r", spec) == []
+    env = env_of(spec)
+    assert env["CACHEPOINT_REPLICA_ENGINE"] == "vllm"
+    assert env["CACHEPOINT_REPLICA_KV_HOST_BYTES"] == str(32 * GI)
+    assert "CACHEPOINT_REPLICA_KV_DISK_BYTES" not in env
+    # Retention is the replica's default (on): nothing rendered for it.
+    assert "CACHEPOINT_REPLICA_VLLM_RETENTION" not in env
+    # vLLM's OffloadingConnector pins that much host memory: the pod is sized for it,
+    # exactly as for torch's host tier.
+    assert container(spec)["resources"] == {
+        "requests": {"memory": "80Gi", "nvidia.com/gpu": "1"},
+        "limits": {"memory": "96Gi", "nvidia.com/gpu": "1"},
+    }
+    torch = make_spec(kv=VLLM_HOST, resources=spec.resources)
+    assert container(torch)["resources"] == container(spec)["resources"]
+    kubernetes_validate.validate(pod(spec), "1.31", strict=True)
+
+
+def test_vllm_retention_off_reaches_the_replica_and_on_rolls_nothing() -> None:
+    off = vllm_spec(vllm={"retention": False})
+    assert spec_problems("r", off) == []
+    assert env_of(off)["CACHEPOINT_REPLICA_VLLM_RETENTION"] == "false"
+    unset, on = vllm_spec(), vllm_spec(vllm={"retention": True})
+    assert "CACHEPOINT_REPLICA_VLLM_RETENTION" not in env_of(on)
+    assert template_hash(on, CONFIG) == template_hash(unset, CONFIG)
+    assert template_hash(off, CONFIG) != template_hash(unset, CONFIG)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "problem"),
+    [
+        (
+            {"gpusPerPod": 0, "kv": {"blockSize": 32, **VLLM_HOST}},
+            "kv.hostBytes with engine vllm is vLLM's OffloadingConnector, which runs on GPUs "
+            "only: vLLM's CPU build (gpusPerPod 0) has no host tier",
+        ),
+        ({"kv": TIERS}, "kv.diskBytes is kvcore's disk tier, which engine vllm does not have"),
+        ({"kv": {"eviction": "slru"}}, "kv.eviction is a kvcore policy"),
+        ({"engine": "torch", "vllm": {"retention": False}}, "applies to engine vllm only"),
+    ],
+    ids=["cpu-host-tier", "disk-tier", "eviction", "vllm-on-torch"],
+)
+def test_what_engine_vllm_cannot_run_is_refused(overrides: dict[str, Any], problem: str) -> None:
+    raw = {"image": "replica:1", "model": {"name": "m"}, "engine": "vllm", **overrides}
+    (found,) = spec_problems("r", parse_spec(raw))
+    assert problem in found
+    with pytest.raises(SpecError):
+        check("r", raw)
+
+
+def replica_settings_from(spec: ReplicaSpec, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """What `cachepoint-replica` would run with in the member pod: its command line
+    through the real flag parser, and its env (the pod's plain values, and a stand-in
+    for each Secret the kubelet would read)."""
+    import os
+
+    from cachepoint.replica.cli import build_parser
+    from cachepoint.replica.settings import ReplicaSettings
+    from cachepoint.runtime.serve import settings_from_flags
+
+    for name in list(os.environ):
+        if name.startswith("CACHEPOINT_"):
+            monkeypatch.delenv(name)
+    box = container(spec)
+    for name, value in env_of(spec).items():
+        if isinstance(value, str):
+            monkeypatch.setenv(name, value)
+        elif "secretKeyRef" in value:  # what the kubelet reads from the Secret
+            monkeypatch.setenv(name, f"secret-{name.lower()}")
+    command = [*box["command"], *box.get("args", [])]
+    assert command[0] == "cachepoint-replica"
+    parser = build_parser()
+    return settings_from_flags(parser, parser.parse_args(command[1:]), ReplicaSettings)
+
+
+def test_a_gpu_vllm_member_runs_retention_then_vllms_offloader(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from cachepoint.replica.vllm_engine.engine import (
+        RETENTION_CONNECTOR,
+        RETENTION_MODULE,
+        connector_config,
+    )
+
+    spec = vllm_spec(VLLM_HOST)
+    settings = replica_settings_from(spec, monkeypatch)
+    assert (settings.engine, settings.device) == ("vllm", "cuda")
+    assert settings.kv_host_bytes == 32 * GI
+    assert settings.vllm_retention is True
+    assert connector_config(settings, "cuda") == {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "connectors": [
+                {
+                    "kv_connector": RETENTION_CONNECTOR,
+                    "kv_connector_module_path": RETENTION_MODULE,
+                    "kv_role": "kv_both",
+                },
+                {
+                    "kv_connector": "OffloadingConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"cpu_bytes_to_use": 32 * GI},
+                },
+            ]
+        },
+    }
+
+
+def test_a_gpu_vllm_member_without_retention_runs_the_offloader_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from cachepoint.replica.vllm_engine.engine import connector_config
+
+    settings = replica_settings_from(vllm_spec(VLLM_HOST, vllm={"retention": False}), monkeypatch)
+    assert settings.vllm_retention is False
+    assert connector_config(settings, "cuda") == {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": 32 * GI},
+    }
+    plain = replica_settings_from(vllm_spec(vllm={"retention": False}), monkeypatch)
+    assert connector_config(plain, "cuda") is None
+
+
+def test_the_operator_refuses_what_the_cpu_replica_would_refuse(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from cachepoint.replica.vllm_engine.engine import VllmConfigError, connector_config
+
+    # Built despite the refusal, to show the replica would refuse it too at start.
+    spec = vllm_spec({"blockSize": 32, **VLLM_HOST}, gpusPerPod=0)
+    assert spec_problems("r", spec)
+    settings = replica_settings_from(spec, monkeypatch)
+    assert settings.device == "cpu"
+    with pytest.raises(VllmConfigError, match="GPUs only"):
+        connector_config(settings, settings.device)

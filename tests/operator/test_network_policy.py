@@ -18,6 +18,15 @@ import kubernetes_validate
 import pytest
 from pydantic import ValidationError
 
+from cachepoint.bench.kube.cluster import (
+    CR,
+    NAMESPACE,
+    NETPOLS,
+    PODS,
+    Cluster,
+    cache_replica,
+    running_operator,
+)
 from cachepoint.operator.config import OperatorConfig
 from cachepoint.operator.naming import common_labels
 from cachepoint.operator.network import (
@@ -28,15 +37,6 @@ from cachepoint.operator.network import (
 from cachepoint.operator.pod import build_replica_pod
 from cachepoint.operator.spec import parse_spec
 
-from .conftest import (
-    CR,
-    NAMESPACE,
-    NETPOLS,
-    PODS,
-    Cluster,
-    cache_replica,
-    running_operator,
-)
 from .test_cross_namespace import RELEASE, RELEASE_NAMESPACE, operator_env, render
 
 K8S_VERSION = "1.31.0"
@@ -293,9 +293,9 @@ async def test_a_replica_in_any_namespace_gets_its_policy_kept_and_collected(
 async def test_no_member_is_made_while_its_policy_is_refused(
     cluster: Cluster, keeps_policies: OperatorConfig
 ) -> None:
-    from .apiserver import chart
-    from .apiserver.rbac import Authorizer
-    from .conftest import OPERATOR_API_TOKEN
+    from cachepoint.bench.kube.apiserver import chart
+    from cachepoint.bench.kube.apiserver.rbac import Authorizer
+    from cachepoint.bench.kube.cluster import OPERATOR_API_TOKEN
 
     # RBAC that may read policies but not create them (a chart older than the operator).
     docs = copy.deepcopy(list(chart.rendered_rbac()))

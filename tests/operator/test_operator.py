@@ -7,7 +7,7 @@ from typing import Any
 
 import kmock
 
-from .conftest import (
+from cachepoint.bench.kube.cluster import (
     EVENTS,
     NAMESPACE,
     PDBS,

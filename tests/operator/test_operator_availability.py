@@ -11,7 +11,7 @@ from typing import Any
 import kmock
 import pytest
 
-from .conftest import (
+from cachepoint.bench.kube.cluster import (
     CR,
     EVENTS,
     PDBS,
@@ -103,9 +103,8 @@ async def test_the_disruption_budget_follows_the_replica(cluster: Cluster, opera
 async def test_a_delete_does_not_wait_a_minute_for_a_status_tick_in_flight(
     cluster: Cluster, stats_server: StatsServer, kubelet: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from cachepoint.bench.kube.cluster import running_operator
     from cachepoint.operator import handlers
-
-    from .conftest import running_operator
 
     # A replica that takes 4 s to answer /v1/stats (within the poll's timeout): the
     # timer's tick is still in flight when the deletion handler is done.
@@ -123,9 +122,9 @@ async def test_a_delete_does_not_wait_a_minute_for_a_status_tick_in_flight(
 
 
 async def test_a_refused_create_shows_the_apis_message(cluster: Cluster) -> None:
-    from .apiserver import chart
-    from .apiserver.rbac import Authorizer
-    from .conftest import OPERATOR_API_TOKEN, running_operator
+    from cachepoint.bench.kube.apiserver import chart
+    from cachepoint.bench.kube.apiserver.rbac import Authorizer
+    from cachepoint.bench.kube.cluster import OPERATOR_API_TOKEN, running_operator
 
     # An RBAC that lets the operator read budgets but not create them (a chart older
     # than the operator, or a cluster policy): the API's 403 must reach the user.

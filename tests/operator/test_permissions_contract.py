@@ -113,7 +113,7 @@ def _grants(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
 
 
 def test_the_charts_operator_rules_grant_exactly_the_operators_calls() -> None:
-    from .apiserver.chart import rendered_rbac
+    from cachepoint.bench.kube.apiserver.chart import rendered_rbac
 
     roles = {
         d["metadata"]["name"]: d for d in rendered_rbac() if d["kind"] in ("ClusterRole", "Role")

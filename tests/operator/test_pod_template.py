@@ -93,7 +93,7 @@ def test_hash_follows_what_shapes_the_pod_only() -> None:
 def test_pre_stop_drains_for_the_grace_and_the_pod_waits_longer() -> None:
     manifest = pod(make_spec(drain={"gracePeriodSeconds": 600}))
     hook = container(manifest)["lifecycle"]["preStop"]["exec"]["command"]
-    assert hook == ["python", "-m", "cachepoint.scheduler.drain", "--timeout", "600"]
+    assert hook == ["python", "-m", "cachepoint.replica.prestop", "--timeout", "600"]
     grace = manifest["spec"]["terminationGracePeriodSeconds"]
     assert grace == 600 + pod_module.SHUTDOWN_MARGIN_SECONDS
     assert pod_module.SHUTDOWN_MARGIN_SECONDS > 0
@@ -129,7 +129,7 @@ def test_hugging_face_download_runs_before_the_replica_into_a_per_member_claim()
     assert init["command"] == [
         "python",
         "-m",
-        "cachepoint.scheduler.weights_fetch",
+        "cachepoint.replica.weights_fetch",
         "--repo",
         "meta-llama/Llama-3.1-8B-Instruct",
         "--revision",

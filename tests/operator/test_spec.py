@@ -10,11 +10,10 @@ from typing import Any
 import pytest
 import yaml
 
+from cachepoint.bench.kube.apiserver.schema import apply_defaults
 from cachepoint.operator.config import OperatorConfig
 from cachepoint.operator.pod import template_hash
 from cachepoint.operator.spec import SpecError, check, parse_spec, spec_problems
-
-from .apiserver.schema import apply_defaults
 
 CRD = Path(__file__).parents[2] / "charts/cachepoint/crds/cachereplicas.cachepoint.dev.yaml"
 MINIMAL = {"image": "replica:1", "model": {"name": "m"}}

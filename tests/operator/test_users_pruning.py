@@ -16,11 +16,11 @@ import kopf
 import pytest
 from kubernetes.client.exceptions import ApiException
 
+from cachepoint.bench.kube.cluster import NAMESPACE, USERS_SECRET, Cluster, cache_replica
 from cachepoint.operator import credentials, handlers, kube
 from cachepoint.operator.members import Plan
 from cachepoint.operator.nats_auth import build_users_data, live_record_keys, prune_record
 
-from .conftest import NAMESPACE, USERS_SECRET, Cluster, cache_replica
 from .test_credentials import member_users as users_in_conf
 from .test_users_conflicts import CONFIG, FakeApi, record
 

@@ -6,12 +6,12 @@ import pytest
 
 from cachepoint.sim.billing import PriceTable, Usage, usage_for
 from cachepoint.sim.cost import ReplicaCostModel
-from cachepoint.sim.trace import Breakpoint
+from cachepoint.sim.trace import TraceBreakpoint
 
 
 def test_mixed_ttl_buckets_follow_design_section_3():
     # A = 1000 read; B = 3000 the last 1h breakpoint; C = 5000 the last breakpoint.
-    bps = (Breakpoint(2000, "1h"), Breakpoint(3000, "1h"), Breakpoint(5000, "5m"))
+    bps = (TraceBreakpoint(2000, "1h"), TraceBreakpoint(3000, "1h"), TraceBreakpoint(5000, "5m"))
     u = usage_for(6000, 10, 1000, bps, [True, True, True])
     assert u.cache_read_input_tokens == 1000
     assert u.ephemeral_1h_input_tokens == 2000  # B - A
@@ -21,12 +21,14 @@ def test_mixed_ttl_buckets_follow_design_section_3():
 
 
 def test_refused_write_is_billed_as_plain_input():
-    u = usage_for(4000, 0, 0, (Breakpoint(4000, "5m"),), [False])
+    u = usage_for(4000, 0, 0, (TraceBreakpoint(4000, "5m"),), [False])
     assert (u.input_tokens, u.ephemeral_5m_input_tokens) == (4000, 0)
 
 
 def test_breakpoints_at_or_before_the_read_are_not_written_again():
-    u = usage_for(4000, 0, 3000, (Breakpoint(2000, "5m"), Breakpoint(4000, "5m")), [True, True])
+    u = usage_for(
+        4000, 0, 3000, (TraceBreakpoint(2000, "5m"), TraceBreakpoint(4000, "5m")), [True, True]
+    )
     assert (u.cache_read_input_tokens, u.ephemeral_5m_input_tokens, u.input_tokens) == (
         3000,
         1000,

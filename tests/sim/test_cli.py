@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cachepoint.cli import main
+from cachepoint.embedded.cli import main
 
 ISSUE_KEYS = {
     "hit_ratio",
@@ -36,7 +36,7 @@ def test_json_output_has_the_issue_keys(trace_file: Path, capsys: pytest.Capture
 
 def test_the_shipped_defaults_are_the_products_own():
     from cachepoint.gateway.settings import GatewaySettings
-    from cachepoint.scheduler.settings import ReplicaSettings
+    from cachepoint.replica.settings import ReplicaSettings
     from cachepoint.sim.cli import SHIPPED_EVICTION, SHIPPED_POLICY
 
     assert GatewaySettings.model_fields["routing_policy"].default == SHIPPED_POLICY

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cachepoint.cli import main
+from cachepoint.embedded.cli import main
 from cachepoint.sim import cli as sim_cli
 from cachepoint.sim.trace import load_trace
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cachepoint.cli import main
+from cachepoint.embedded.cli import main
 from cachepoint.sim.report import LINES, PLOTS, Sweep, grid_labels, parse_label, write_report
 
 SMALL = Sweep(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cachepoint.cli import main
+from cachepoint.embedded.cli import main
 from cachepoint.kvcore import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored
 from cachepoint.sim.scaling import decode_events, encode_events
 

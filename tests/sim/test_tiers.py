@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cachepoint.cli import main
+from cachepoint.embedded.cli import main
 from cachepoint.kvcore import SlotState, Tier
 from cachepoint.sim.cost import ReplicaCostModel
 from cachepoint.sim.links import LinkSchedule, links_of

@@ -9,7 +9,7 @@ import pytest
 
 from cachepoint.kvcore import hash_blocks
 from cachepoint.sim.trace import (
-    Breakpoint,
+    TraceBreakpoint,
     TraceError,
     TraceRecorder,
     dump_trace,
@@ -53,7 +53,7 @@ def test_cachepoint_format_carries_tenant_and_breakpoints():
     assert trace.format == "cachepoint"
     assert trace.block_tokens == 4
     assert req.tenant == "acme"
-    assert req.breakpoints == (Breakpoint(4, "1h"), Breakpoint(10, "5m"))
+    assert req.breakpoints == (TraceBreakpoint(4, "1h"), TraceBreakpoint(10, "5m"))
 
 
 @pytest.mark.parametrize(
@@ -125,7 +125,7 @@ def test_recorder_keeps_exactly_the_traffic_sharing_and_no_content():
     a = [*system, 100, 101, 102, 103, 104]  # 13 tokens: 3 full blocks + 1
     b = [*system, 200, 201, 202, 203]  # 12 tokens: 3 full blocks
     ra = rec.add(5.0, hash_blocks(a, 4), len(a), 3, tenant="acme")
-    rb = rec.add(7.5, hash_blocks(b, 4), len(b), 1, breakpoints=[Breakpoint(12, "5m")])
+    rb = rec.add(7.5, hash_blocks(b, 4), len(b), 1, breakpoints=[TraceBreakpoint(12, "5m")])
     ra2 = rec.add(9.0, hash_blocks(a, 4), len(a), 3, tail_key=b"same-tail")
     ra3 = rec.add(9.5, hash_blocks(a, 4), len(a), 3, tail_key=b"same-tail")
     assert ra.hash_ids[:2] == rb.hash_ids[:2]  # the shared system prompt

@@ -10,8 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from cachepoint.engine import Engine, EngineConfig, ModelConfig
 from cachepoint.gateway.app import create_app
 from cachepoint.gateway.settings import GatewaySettings
-from cachepoint.scheduler.api.app import create_app as create_replica_app
-from cachepoint.scheduler.settings import ReplicaSettings
+from cachepoint.replica.api.app import create_app as create_replica_app
+from cachepoint.replica.settings import ReplicaSettings
 
 
 def samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

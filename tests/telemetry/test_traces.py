@@ -12,8 +12,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from cachepoint.engine import Engine, EngineConfig, ModelConfig
 from cachepoint.gateway.app import create_app
 from cachepoint.gateway.settings import GatewaySettings
-from cachepoint.scheduler.api.app import create_app as create_replica_app
-from cachepoint.scheduler.settings import ReplicaSettings
+from cachepoint.replica.api.app import create_app as create_replica_app
+from cachepoint.replica.settings import ReplicaSettings
 from cachepoint.telemetry import TelemetrySettings, configure
 
 SYSTEM = "You are a patient tutor for chemistry students. " * 10

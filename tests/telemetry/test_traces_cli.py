@@ -49,7 +49,7 @@ def test_traces_store_assembles_the_tree(tmp_path):
 
 def test_traces_cli_lists_draws_and_saves_png(tmp_path):
     _write_trace(tmp_path)
-    cmd = [sys.executable, "-m", "cachepoint.cli", "traces", "--dir", str(tmp_path)]
+    cmd = [sys.executable, "-m", "cachepoint.embedded.cli", "traces", "--dir", str(tmp_path)]
     listing = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     assert "req_abc" in listing and "r0" in listing
     png = tmp_path / "wf.png"

@@ -287,12 +287,15 @@ capabilities:
 {{- end }}
 
 {{/*
-cachepoint.replicaImage: the default image of a CacheReplica entry: the CPU image when
-it asks for no GPUs (gpusPerPod: 0), the CUDA image otherwise.
+cachepoint.replicaImage: the default image of a CacheReplica entry: the vLLM image for
+engine vllm, else the CPU image when it asks for no GPUs (gpusPerPod: 0), the CUDA
+image otherwise.
 Takes: dict "root" and "replica" (one entry of .Values.replicas).
 */}}
 {{- define "cachepoint.replicaImage" -}}
-{{- if and (hasKey .replica "gpusPerPod") (eq (int .replica.gpusPerPod) 0) }}
+{{- if eq (toString .replica.engine) "vllm" }}
+{{- include "cachepoint.image" (dict "root" .root "image" .root.Values.replicaImages.vllm) }}
+{{- else if and (hasKey .replica "gpusPerPod") (eq (int .replica.gpusPerPod) 0) }}
 {{- include "cachepoint.image" (dict "root" .root "image" .root.Values.replicaImages.cpu) }}
 {{- else }}
 {{- include "cachepoint.image" (dict "root" .root "image" .root.Values.replicaImages.cuda) }}

@@ -7,11 +7,11 @@ from __future__ import annotations
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
-from ...errors import ApiError, not_found
-from ...schemas.admin import ApiKeyOut, UpdateApiKey
-from ...state import GatewayState
-from ...tenants import org_key, update_key
-from ..deps import AdminCallerDep, StateDep
+from cachepoint.gateway.api.deps import AdminCallerDep, StateDep
+from cachepoint.gateway.errors import ApiError, not_found
+from cachepoint.gateway.schemas.admin import ApiKeyOut, UpdateApiKey
+from cachepoint.gateway.state import GatewayState
+from cachepoint.gateway.tenancy.tenants import org_key, update_key
 
 router = APIRouter(prefix="/v1/organizations/api_keys", tags=["admin"])
 

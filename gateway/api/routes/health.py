@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import text
 from starlette.concurrency import run_in_threadpool
 
-from ..deps import StateDep
+from cachepoint.gateway.api.deps import StateDep
 
 router = APIRouter(tags=["health"])
 

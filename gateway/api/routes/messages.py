@@ -12,14 +12,20 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 
-from ... import aliases, idempotency, requestlog, streaming
-from ...accounting import attribution_of, bill, charge_of
-from ...contract import context_edits, toolcalls
-from ...dispatch import generate, open_watched, pick
-from ...errors import ApiError, envelope, rate_limited
-from ...intake import IntakeFull, read_body, trim_after
-from ...ledger import Attribution
-from ...pipeline import (
+from cachepoint.gateway import streaming
+from cachepoint.gateway.accounting import attribution_of, bill, charge_of
+from cachepoint.gateway.api.deps import BetasDep, MessageCallerDep, RequestIdDep, StateDep
+from cachepoint.gateway.api.limits import CountLimitDep, RateLimitDep
+from cachepoint.gateway.api.openapi import request_body
+from cachepoint.gateway.billing.ledger import Attribution
+from cachepoint.gateway.contract import context_edits, toolcalls
+from cachepoint.gateway.dispatch import generate, open_watched, pick
+from cachepoint.gateway.errors import ApiError, envelope, rate_limited
+from cachepoint.gateway.fleet.routing import RouteRequest
+from cachepoint.gateway.intake import IntakeFull, read_body, trim_after
+from cachepoint.gateway.observability import requestlog
+from cachepoint.gateway.observability.tracing import render_attributes
+from cachepoint.gateway.pipeline import (
     Prepared,
     ReportLimits,
     buckets_of,
@@ -29,7 +35,7 @@ from ...pipeline import (
     render_prompt,
     usage_of,
 )
-from ...schemas.messages import (
+from cachepoint.gateway.schemas.messages import (
     CountTokensRequest,
     CountTokensResponse,
     MessageResponse,
@@ -37,14 +43,11 @@ from ...schemas.messages import (
     TextOut,
     ToolUseOut,
 )
-from ...state import GatewayState
-from ...streaming import StreamJob
-from ...tenants import KeyContext
-from ...tracing import render_attributes
-from ...upstream import RouteRequest
-from ..deps import BetasDep, MessageCallerDep, RequestIdDep, StateDep
-from ..limits import CountLimitDep, RateLimitDep
-from ..openapi import request_body
+from cachepoint.gateway.state import GatewayState
+from cachepoint.gateway.streaming import StreamJob
+from cachepoint.gateway.tenancy import aliases, idempotency
+from cachepoint.gateway.tenancy.tenants import KeyContext
+from cachepoint.protocol import GenerateResponse
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +111,15 @@ def _prepare_job(
     keyed: bool,
 ) -> tuple[Prepared, str | None]:
     """Render, tokenize and plan (and the idempotency fingerprint): an intake job."""
-    prepared = prepare(body, ctx, betas, state.settings, state.renderer, rid, who)
+    prepared = prepare(
+        body,
+        ctx=ctx,
+        betas=betas,
+        settings=state.settings,
+        renderer=state.renderer,
+        request_id=rid,
+        who=who,
+    )
     digest = idempotency.fingerprint(body, betas) if keyed else None
     return prepared, digest
 
@@ -211,9 +222,17 @@ async def create_message(
             return got.response()
         claim = got
     try:
-        if body.stream:
-            return await _stream(body, request, state, ctx, rid, prepared, t_start, claim)
-        return await _complete(body, request, state, ctx, rid, prepared, t_start, claim)
+        respond = _stream if body.stream else _complete
+        return await respond(
+            body,
+            request,
+            state=state,
+            ctx=ctx,
+            rid=rid,
+            prepared=prepared,
+            t_start=t_start,
+            claim=claim,
+        )
     except BaseException:
         if claim is not None:
             await claim.release()
@@ -223,6 +242,7 @@ async def create_message(
 async def _complete(
     body: MessagesRequest,
     request: Request,
+    *,
     state: GatewayState,
     ctx: KeyContext,
     rid: str,
@@ -237,7 +257,14 @@ async def _complete(
     # hangs up: its retry (same key) then gets this result, generated and billed once.
     # Without one, a hang-up stops the replica and only what was generated is billed.
     gone = None if claim is not None else request.is_disconnected
-    gen = await generate(state, route, pick(state, route), prepared.payload, limits, gone)
+    gen = await generate(
+        state,
+        route=route,
+        routed=pick(state, route),
+        request=prepared.payload,
+        limits=limits,
+        client_gone=gone,
+    )
     upstream = time.perf_counter() - t_up
     result = gen.result
     if gen.cache is None:  # gone before prefill_done: the replica dropped it, nothing to bill
@@ -273,6 +300,7 @@ async def _complete(
 async def _stream(
     body: MessagesRequest,
     request: Request,
+    *,
     state: GatewayState,
     ctx: KeyContext,
     rid: str,
@@ -287,7 +315,12 @@ async def _stream(
     t_open = time.perf_counter()
     routed = pick(state, route)
     opened = await open_watched(
-        state, route, routed, prepared.payload, limits, request.is_disconnected
+        state,
+        route=route,
+        routed=routed,
+        request=prepared.payload,
+        limits=limits,
+        client_gone=request.is_disconnected,
     )
     if opened is None:  # gone before prefill_done: the replica dropped it, nothing to bill
         if claim is not None:
@@ -296,17 +329,27 @@ async def _stream(
     headers = {SCOPE_HEADER: prepared.plan.scope, REPLICA_HEADER: opened.replica.name}
     headers |= prepared.degraded
     job = StreamJob(
-        state, ctx, body, rid, prepared, limits, opened, headers, t_start, t_open, claim
+        state=state,
+        ctx=ctx,
+        body=body,
+        rid=rid,
+        prepared=prepared,
+        limits=limits,
+        opened=opened,
+        headers=headers,
+        t_start=t_start,
+        t_open=t_open,
+        claim=claim,
     )
     return streaming.respond(job)
 
 
 def _answer(
-    body: MessagesRequest, result: dict[str, Any], forced: toolcalls.Forcing
+    body: MessagesRequest, result: GenerateResponse, forced: toolcalls.Forcing
 ) -> tuple[list[Any], Any, Any]:
     """The replica's text as content blocks, its tool calls as ``tool_use`` blocks."""
     text, stop_reason, stop_sequence = forced.settle(
-        result["text"], result["stop_reason"], result.get("stop_sequence")
+        result.text, result.stop_reason, result.stop_sequence
     )
     names = toolcalls.offered(body)
     if names is None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from ... import aliases
-from ...profiles import profile_of
-from ...schemas.messages import ModelInfo, ModelList
-from ...state import GatewayState
-from ..deps import CallerDep, StateDep
+from cachepoint.gateway.api.deps import CallerDep, StateDep
+from cachepoint.gateway.profiles import profile_of
+from cachepoint.gateway.schemas.messages import ModelInfo, ModelList
+from cachepoint.gateway.state import GatewayState
+from cachepoint.gateway.tenancy import aliases
 
 router = APIRouter(tags=["models"])
 

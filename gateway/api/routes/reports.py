@@ -9,8 +9,8 @@ from fastapi import APIRouter, Request
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from ...errors import invalid
-from ...reports import (
+from cachepoint.gateway.api.deps import AdminCallerDep, StateDep
+from cachepoint.gateway.billing.reports import (
     COST_GROUPS,
     USAGE_GROUPS,
     WIDTHS,
@@ -20,8 +20,8 @@ from ...reports import (
     parse_query,
     usage_report,
 )
-from ...state import GatewayState
-from ..deps import AdminCallerDep, StateDep
+from cachepoint.gateway.errors import invalid
+from cachepoint.gateway.state import GatewayState
 
 router = APIRouter(prefix="/v1/organizations", tags=["reports"])
 

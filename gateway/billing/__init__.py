@@ -1,0 +1,2 @@
+"""What a request cost and where it is written down: charges, the usage ledger and
+the usage and cost reports."""

@@ -1,0 +1,137 @@
+"""The HTTP client to one replica: generate calls, their NDJSON events decoded into
+cachepoint.protocol's types, and the errors a replica's answers become."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from pydantic import ValidationError
+
+from cachepoint.gateway.errors import ApiError, internal, invalid, rate_limited
+from cachepoint.protocol import (
+    PROTOCOL_VERSION,
+    VERSION_HEADER,
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    GenerateRequest,
+    MalformedEvent,
+    decode_event,
+    encode_request,
+)
+
+# NOTE: the protocol version rides on every call, so a replica of another version
+# refuses it before reading the body (cachepoint.protocol.version).
+_HEADERS = {"content-type": "application/json", VERSION_HEADER: str(PROTOCOL_VERSION)}
+
+_STATUS = {
+    400: lambda m: invalid(m),
+    429: lambda m: rate_limited(m),
+}
+
+
+class ReplicaRefusedError(ApiError):
+    """The replica answered 503 before taking the request: it is draining or shutting
+    down, or its pool cannot fit the request now. Nothing ran there, so the request is
+    routed again, elsewhere; the client sees 529 if nowhere else takes it."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(529, "overloaded_error", message)
+        self.replica = name
+
+
+def _error_from(name: str, resp_status: int, body: bytes) -> ApiError:
+    try:
+        message = ErrorEvent.model_validate_json(body).error.message
+    except ValidationError:
+        message = body.decode(errors="replace")[:500] or f"replica answered {resp_status}"
+    if resp_status == 503:
+        return ReplicaRefusedError(name, message)
+    make = _STATUS.get(resp_status)
+    if make is not None:
+        return make(message)
+    return internal(f"replica failed: {message}")
+
+
+class ReplicaUnreachableError(ApiError):
+    """The replica did not answer at the transport level (down, restarting)."""
+
+    def __init__(self, name: str, exc: Exception) -> None:
+        super().__init__(529, "overloaded_error", f"replica {name} unreachable: {exc}")
+        self.replica = name
+
+
+class ReplicaStreamError(ApiError):
+    """The replica's event stream broke after it began (it died, or sent garbage)."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(500, "api_error", f"replica {name} stream failed: {reason}")
+        self.replica = name
+
+
+class UsageReportError(ApiError):
+    """A replica's usage report that cannot be true for the request it was sent (or
+    cannot be read at all): the request fails with an api_error, nothing is billed from
+    it, and the replica is reported."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(500, "api_error", f"replica sent an unusable usage report: {reason}")
+        self.reason = reason  # what did not add up, for the log line
+
+
+class ReplicaClient:
+    """One replica's internal API (POST /v1/generate). NOTE: the gateway reads every
+    generation as the replica's event stream, even one the client wants whole, so that a
+    hang-up can abort it (gateway/dispatch.py): there is no collected call."""
+
+    def __init__(self, name: str, url: str, http: httpx.AsyncClient) -> None:
+        self.name = name  # replica name (its URL until it reports one)
+        self.url = url.rstrip("/")
+        self.http = http
+
+    @asynccontextmanager
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[AsyncIterator[Event]]:
+        """The replica's events (cachepoint.protocol). Closing the context closes the
+        connection, which makes the replica abort the request."""
+        if not request.stream:
+            request = request.model_copy(update={"stream": True})
+        body = encode_request(request)
+        try:
+            async with self.http.stream(
+                "POST", f"{self.url}/v1/generate", content=body, headers=_HEADERS
+            ) as resp:
+                if resp.status_code != 200:
+                    raise _error_from(self.name, resp.status_code, await resp.aread())
+                yield self._events(resp)
+        except httpx.TransportError as exc:
+            raise ReplicaUnreachableError(self.name, exc) from exc
+
+    async def _events(self, resp: httpx.Response) -> AsyncIterator[Event]:
+        # NOTE: a replica that dies mid-stream surfaces here, after the response began;
+        # it becomes one typed error for the relay to report, not an httpx exception
+        # escaping into the ASGI server.
+        try:
+            lines = resp.aiter_lines()
+            async for line in lines:
+                if not line:
+                    continue
+                event = decode_event(line)
+                if event is None:
+                    continue  # a newer replica's event type: nothing this gateway reads
+                if isinstance(event, DoneEvent):
+                    # NOTE: the last line: read the body to its end first. httpx pools
+                    # a connection only after its response was read in full; otherwise
+                    # every request paid a new connection (bench/RESULTS.md).
+                    async for _ in lines:
+                        pass
+                yield event
+        except httpx.TransportError as exc:
+            raise ReplicaStreamError(self.name, f"connection lost: {exc!r}") from exc
+        except MalformedEvent as exc:
+            # NOTE: a prefill_done or done that does not read is a usage report that
+            # cannot be billed from: refused unbilled, as one whose numbers do not add up.
+            if exc.reports_usage:
+                raise UsageReportError(f"unreadable event: {exc.detail}") from exc
+            raise ReplicaStreamError(self.name, f"unreadable event: {exc.detail}") from exc

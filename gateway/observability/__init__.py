@@ -1,0 +1,1 @@
+"""The gateway's metrics, request log and tracing set-up."""

@@ -1,0 +1,2 @@
+"""Who is calling and what they may do: orgs and API keys, model aliases, rate
+limits, idempotency keys."""

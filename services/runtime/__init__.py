@@ -1,0 +1,1 @@
+"""The process runtime the services share: server start-up, signals, logging."""
