@@ -354,6 +354,12 @@ class ProcessKubelet:
 
     # -------------------------------------------------------------- status
     async def _report(self, p: PodProcess) -> None:
+        # NOTE: Failed is terminal, as on a real kubelet. A probe or restart that was in
+        # flight when the pod was evicted (its GET fails once the process is killed)
+        # must not write Running over the Failed status: the operator would then wait
+        # forever on a pod that never comes back. Seen under CI load.
+        if p.failed:
+            return
         state: dict[str, Any]
         if p.waiting_reason:
             state = {"waiting": {"reason": p.waiting_reason}}
