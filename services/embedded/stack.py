@@ -85,14 +85,15 @@ def free_port() -> int:
 
 
 def replica_threads(cores: int, replicas: int) -> int:
-    """Torch threads per replica: the cores less one, shared out.
+    """Torch (OpenMP) threads per replica: the machine's cores, shared out.
 
     NOTE: replicas on one machine share its cores, and torch's default of one thread
-    per core each oversubscribes them. The core held back is the gateway's and NATS's:
-    they relay every token while the next decode step runs, and an OpenMP team that
-    loses a core to them stalls at each barrier. On 2 cores the tiny model decodes as
-    fast on one thread as on two (bench/RESULTS.md, tracing overhead)."""
-    return max(1, (cores - 1) // replicas)
+    per core each oversubscribes them, so each gets its share. No core is held back for
+    the gateway and NATS: they relay tokens in milliseconds, while a prefill is
+    compute-bound and takes the whole share. On 2 cores, holding one back halved the
+    prefill speed of a lone replica: TTFT p90 1.8-2.2x `vllm serve`'s on the agent
+    load, which runs on both cores (bench/RESULTS.md, serving speed)."""
+    return max(1, cores // replicas)
 
 
 def vllm_python() -> Path:
@@ -275,6 +276,8 @@ class Stack:
     # models (claude-opus-5-5 without --model), so "claude-*" maps to it by default.
     model_aliases: dict[str, str] | None = None
     tracing: bool = True
+    # Torch (OpenMP) threads per replica; None = $OMP_NUM_THREADS, else replica_threads.
+    threads: int | None = None
     children: list[Child] = field(default_factory=list)
     nats_url: str = ""
     metrics_url: str = ""  # the gateway's private /metrics listener
@@ -532,9 +535,11 @@ class Stack:
             **(extra_env or {}),
         }
         if name.startswith("replica-"):
-            env.setdefault(
-                "OMP_NUM_THREADS", str(replica_threads(os.cpu_count() or 1, self.replicas))
-            )
+            threads = self.threads or replica_threads(os.cpu_count() or 1, self.replicas)
+            if self.threads is not None:
+                env["OMP_NUM_THREADS"] = str(threads)
+            else:  # the caller's OMP_NUM_THREADS, as torch itself would honour it
+                env.setdefault("OMP_NUM_THREADS", str(threads))
             if self.engine == "vllm":
                 # NOTE: vLLM's default ("auto") pins each replica's worker to the same
                 # cores, less some it reserves, and sets its own thread count: N

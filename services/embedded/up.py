@@ -56,6 +56,13 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         "tiny one, whose heads are too narrow for it; each replica starts in about 30-60 s. "
         "Not with --kv-host-bytes",
     )
+    up.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="torch (OpenMP) threads per replica (default: $OMP_NUM_THREADS if set, else "
+        "the machine's cores shared out among the replicas)",
+    )
     up.add_argument("--port", type=int, default=8080, help="gateway port (default 8080)")
     up.add_argument(
         "--model",
@@ -141,6 +148,8 @@ def min_cacheable(args: argparse.Namespace) -> int:
 def run_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.replicas < 1:
         parser.error("--replicas must be at least 1")
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be at least 1")
     if args.model and args.model_dir:
         parser.error("give --model or --model-dir, not both")
     if args.tokenizer is not None and (args.model or args.model_dir):
@@ -168,6 +177,7 @@ def run_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         kv_budget=args.kv_budget,
         kv_host_bytes=args.kv_host_bytes,
         engine=args.engine,
+        threads=args.threads,
         tokenizer=args.tokenizer,
         random_turn_tokens=0 if (args.model or args.model_dir) else random_turn,
         min_cacheable_tokens=min_cacheable(args),
