@@ -32,7 +32,12 @@ Loads, at each concurrency C:
 - ``aiperf``: AIPerf (.venv-aiperf) ``--endpoint-type messages --streaming``,
   multi-turn with a shared system prompt: --aiperf-conversations conversations of
   --aiperf-turns turns, --aiperf-system-tokens shared, --aiperf-turn-tokens per turn,
-  --aiperf-output-tokens out, at concurrency C.
+  --aiperf-output-tokens out, at concurrency C, with AIPerf's own scraping of the
+  server's /metrics turned off (it loaded `vllm serve`'s API process, not Cachepoint's).
+
+Before its first load each server answers two untimed warm-up requests on prompts no
+load shares (a compiled vLLM's first shapes and lazily built kernels are not serving
+speed).
 
 The report: per load and concurrency, each server's TTFT p50/p90, request latency
 p50/p90 and output tokens/s, and each as a ratio to vLLM's (lower is better for the
@@ -378,6 +383,34 @@ def agent_load(server: Server, concurrency: int, args: argparse.Namespace, seed:
     )
 
 
+def warm_up(server: Server, args: argparse.Namespace) -> None:
+    """Two concurrent untimed requests on prompts no load shares, before any load.
+
+    NOTE: a fresh server's first requests pay one-off costs that are not serving speed:
+    vLLM's compiled graph meets its first real shapes (AIPerf saw a 1 s inter-token
+    latency on `vllm serve`'s first turn, 80-120 ms on the second), and every server
+    loads lazily built kernels. The prompts are random words of their own seed, so no
+    measured prefix is cached by the warm-up."""
+    client = anthropic.Anthropic(
+        base_url=server.base_url, api_key=server.api_key, max_retries=0, timeout=600
+    )
+
+    def one(i: int) -> None:
+        text = words(random.Random(-1 - i), int(args.system_tokens / 1.3))
+        client.messages.create(
+            model=MODEL,
+            max_tokens=16,
+            extra_body={"temperature": 0},
+            messages=[{"role": "user", "content": text}],
+        )
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 # ------------------------------------------------------------------ AIPerf
 
 
@@ -385,7 +418,22 @@ def aiperf_load(
     server: Server, concurrency: int, args: argparse.Namespace, folder: Path, work: Path
 ) -> LoadResult:
     out = work / f"aiperf-{server.name}-c{concurrency}-{time.monotonic_ns()}"
-    argv = [
+    argv = aiperf_argv(server, concurrency, args, folder, out)
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"aiperf failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
+    return parse_aiperf(server.name, concurrency, out, wall)
+
+
+def aiperf_argv(
+    server: Server, concurrency: int, args: argparse.Namespace, folder: Path, out: Path
+) -> list[str]:
+    """The AIPerf command line for one load (module docstring)."""
+    return [
         str(AIPERF), "profile", "--model", MODEL, "--url", server.base_url,
         "--endpoint-type", "messages", "--streaming", "--tokenizer", str(folder),
         "--conversation-num", str(args.aiperf_conversations),
@@ -398,15 +446,13 @@ def aiperf_load(
         "--concurrency", str(concurrency), "--random-seed", "0",
         "--header", f"x-api-key:{server.api_key}", "--header", "anthropic-version:2023-06-01",
         "--output-artifact-dir", str(out), "--ui", "none",
+        # NOTE: AIPerf scrapes base_url + /metrics about 2.5 times a second by default.
+        # `vllm serve` answers on its API process, which on 2 cores takes CPU from the
+        # engine (its latency p90 was 26-41 s for 16 tokens); Cachepoint's gateway keeps
+        # /metrics on a private port and answers 404. Neither server should be loaded by
+        # the load tool's own monitoring.
+        "--no-server-metrics",
     ]  # fmt: skip
-    t0 = time.perf_counter()
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"aiperf failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-        )
-    return parse_aiperf(server.name, concurrency, out, wall)
 
 
 def parse_aiperf(server: str, concurrency: int, out: Path, wall: float) -> LoadResult:
@@ -495,7 +541,7 @@ def render(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--servers", default=",".join(SERVERS), help=f"of {', '.join(SERVERS)} (all)")
     p.add_argument("--concurrency", default="1,2,4,8", help="the sweep (1,2,4,8)")
@@ -513,6 +559,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--aiperf-output-tokens", type=int, default=16, help="aiperf (16)")
     p.add_argument("--cache-dir", type=Path, default=ROOT / "build" / "serving-bench")
     p.add_argument("--json", type=Path, help="write every figure here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     from cachepoint.replica.settings import parse_bytes
 
@@ -538,6 +589,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {r}: starting {name}", flush=True)
                 try:
                     with start(name, folder, kv_budget, work) as server:
+                        warm_up(server, args)
                         for c in sweep:
                             for load in loads:
                                 seed = 1000 * r + c

@@ -57,3 +57,17 @@ def test_ratios_are_to_vllm_per_load_and_concurrency():
     }
     assert "vs_vllm" not in next(r for r in rows if r["server"] == "vllm")
     assert "torch" in sb.render(rows)
+
+
+def test_aiperf_drives_the_messages_api_without_scraping_the_server(tmp_path):
+    """AIPerf's /metrics scraping (on by default) loaded `vllm serve`'s API process and
+    not Cachepoint's (whose /metrics is private): the bench turns it off for both."""
+    args = sb.build_parser().parse_args([])
+    server = sb.Server("vllm", "http://127.0.0.1:9", "key")
+    argv = sb.aiperf_argv(server, 4, args, tmp_path / "model", tmp_path / "out")
+    assert "--no-server-metrics" in argv
+    at = argv.index
+    assert argv[at("--endpoint-type") + 1] == "messages" and "--streaming" in argv
+    assert argv[at("--concurrency") + 1] == "4"
+    assert argv[at("--url") + 1] == "http://127.0.0.1:9"
+    assert argv[at("--shared-system-prompt-length") + 1] == str(args.aiperf_system_tokens)
