@@ -386,11 +386,9 @@ def agent_load(server: Server, concurrency: int, args: argparse.Namespace, seed:
 def warm_up(server: Server, args: argparse.Namespace) -> None:
     """Two concurrent untimed requests on prompts no load shares, before any load.
 
-    NOTE: a fresh server's first requests pay one-off costs that are not serving speed:
-    vLLM's compiled graph meets its first real shapes (AIPerf saw a 1 s inter-token
-    latency on `vllm serve`'s first turn, 80-120 ms on the second), and every server
-    loads lazily built kernels. The prompts are random words of their own seed, so no
-    measured prefix is cached by the warm-up."""
+    NOTE: a fresh server's first requests pay one-off costs that are not serving speed
+    (a compiled vLLM's first real shapes, lazily built kernels and pools). The prompts
+    are random words of their own seed, so no measured prefix is cached by them."""
     client = anthropic.Anthropic(
         base_url=server.base_url, api_key=server.api_key, max_retries=0, timeout=600
     )
@@ -447,10 +445,9 @@ def aiperf_argv(
         "--header", f"x-api-key:{server.api_key}", "--header", "anthropic-version:2023-06-01",
         "--output-artifact-dir", str(out), "--ui", "none",
         # NOTE: AIPerf scrapes base_url + /metrics about 2.5 times a second by default.
-        # `vllm serve` answers on its API process, which on 2 cores takes CPU from the
-        # engine (its latency p90 was 26-41 s for 16 tokens); Cachepoint's gateway keeps
-        # /metrics on a private port and answers 404. Neither server should be loaded by
-        # the load tool's own monitoring.
+        # `vllm serve` answers on its API process; Cachepoint's gateway keeps /metrics
+        # on a private port and answers 404. The load tool's own monitoring should load
+        # neither server.
         "--no-server-metrics",
     ]  # fmt: skip
 
