@@ -314,6 +314,9 @@ def agent_load(server: Server, concurrency: int, args: argparse.Namespace, seed:
     ttfts: list[float] = []
     latencies: list[float] = []
     outputs: list[int] = []
+    # (session, turn, TTFT s, latency s) of each answered request, for the JSON: which
+    # turns make the tail
+    records: list[tuple[int, int, float, float]] = []
     failed = 0
     lock = threading.Lock()
 
@@ -327,7 +330,7 @@ def agent_load(server: Server, concurrency: int, args: argparse.Namespace, seed:
         messages: list[dict[str, Any]] = [
             {"role": "user", "content": [{"type": "text", "text": "Task: " + words(srng, 40)}]}
         ]
-        for _ in range(args.turns):
+        for turn in range(args.turns):
             # the last message carries the second marker, as Claude Code's does
             last = messages[-1]["content"][-1]
             last["cache_control"] = {"type": "ephemeral"}
@@ -347,10 +350,12 @@ def agent_load(server: Server, concurrency: int, args: argparse.Namespace, seed:
                             ttft = time.perf_counter() - t0
                     final = s.get_final_message()
                 text = "".join(b.text for b in final.content if b.type == "text") or "ok"
+                end = time.perf_counter() - t0
                 with lock:
-                    ttfts.append(ttft if ttft is not None else time.perf_counter() - t0)
-                    latencies.append(time.perf_counter() - t0)
+                    ttfts.append(ttft if ttft is not None else end)
+                    latencies.append(end)
                     outputs.append(final.usage.output_tokens)
+                    records.append((i, turn, ttfts[-1], end))
             except anthropic.APIError as exc:
                 print(f"  {server.name}: session {i} failed: {exc}", file=sys.stderr)
                 with lock:
@@ -380,6 +385,12 @@ def agent_load(server: Server, concurrency: int, args: argparse.Namespace, seed:
         len(latencies),
         failed,
         wall,
+        {
+            "requests": [
+                {"session": i, "turn": t, "ttft_s": ttft, "latency_s": lat}
+                for i, t, ttft, lat in sorted(records)
+            ]
+        },
     )
 
 
