@@ -84,6 +84,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# libgomp's spin before a waiting thread sleeps, for replicas (see Stack._spawn).
+REPLICA_SPINCOUNT = "10000"
+
+
 def replica_threads(cores: int, replicas: int) -> int:
     """Torch (OpenMP) threads per replica: the machine's cores, shared out.
 
@@ -540,6 +544,13 @@ class Stack:
                 env["OMP_NUM_THREADS"] = str(threads)
             else:  # the caller's OMP_NUM_THREADS, as torch itself would honour it
                 env.setdefault("OMP_NUM_THREADS", str(threads))
+            # NOTE: the replicas' OpenMP threads share the machine with the gateway,
+            # NATS and, here, the clients. libgomp spins 300,000 rounds at each barrier
+            # when its threads fit the cores; a spinning thread then holds the core its
+            # straggling teammate needs. With AIPerf beside a 2-thread replica on 2 cores
+            # request latency p90 was 37-44 s; with 10,000 rounds, 8 s, at no measurable
+            # cost to the agent load (bench/RESULTS.md, serving speed).
+            env.setdefault("GOMP_SPINCOUNT", REPLICA_SPINCOUNT)
             if self.engine == "vllm":
                 # NOTE: vLLM's default ("auto") pins each replica's worker to the same
                 # cores, less some it reserves, and sets its own thread count: N

@@ -54,6 +54,17 @@ def test_replica_threads_reach_the_replica_environment(tmp_path, monkeypatch):
     assert env["OMP_NUM_THREADS"] == "3"
 
 
+def test_replicas_spin_briefly_unless_told(tmp_path, monkeypatch):
+    """Replicas share the cores with the gateway, NATS and clients: a waiting OpenMP
+    thread sleeps after a short spin, unless the caller set GOMP_SPINCOUNT."""
+    from cachepoint.embedded.stack import REPLICA_SPINCOUNT, Stack
+
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert _replica_env(Stack(tmp_path), monkeypatch)["GOMP_SPINCOUNT"] == REPLICA_SPINCOUNT
+    monkeypatch.setenv("GOMP_SPINCOUNT", "0")
+    assert _replica_env(Stack(tmp_path), monkeypatch)["GOMP_SPINCOUNT"] == "0"
+
+
 def test_up_refuses_zero_threads(capsys):
     from cachepoint.embedded.cli import main
 
