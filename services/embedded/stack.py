@@ -95,7 +95,7 @@ def replica_threads(cores: int, replicas: int) -> int:
     per core each oversubscribes them, so each gets its share. No core is held back for
     the gateway and NATS: they relay tokens in milliseconds, while a prefill is
     compute-bound and takes the whole share. On 2 cores, holding one back halved the
-    prefill speed of a lone replica: TTFT p90 1.8-2.2x `vllm serve`'s on the agent
+    prefill speed of a lone replica: TTFT p90 1.65-2.2x `vllm serve`'s on the agent
     load, which runs on both cores (bench/RESULTS.md, serving speed)."""
     return max(1, cores // replicas)
 
