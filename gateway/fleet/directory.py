@@ -148,6 +148,7 @@ class ReplicaDirectory:
 
     def _new_epoch(self, st: ReplicaState, epoch: int) -> None:
         st.view.index.replace(())
+        st.view.routed.clear()  # a new process holds nothing of what was sent to the old one
         st.epoch = epoch
         st.last_seq = 0
         st.pending.clear()
@@ -260,7 +261,16 @@ class ReplicaDirectory:
         return False
 
     def _apply(self, st: ReplicaState, batch: schema.EventBatch) -> None:
-        st.view.index.apply_all(schema.to_kvcore(batch.events))
+        events = list(schema.to_kvcore(batch.events))
+        st.view.index.apply_all(events)
+        routed = st.view.routed
+        if routed:
+            for event in events:
+                hashes = getattr(event, "block_hashes", None)
+                if hashes is None:  # AllBlocksCleared: whatever was on its way is moot
+                    routed.clear()
+                else:
+                    routed.forget(hashes)
         st.last_seq = batch.seq
         st.last_applied = self.clock()
         self.batches_applied += 1
@@ -284,11 +294,12 @@ class ReplicaDirectory:
             return True
         if snap.epoch > st.epoch:
             self._new_epoch(st, snap.epoch)
-        st.view.index.replace(
-            schema.to_kvcore_hashes(snap.block_hashes),
-            host=schema.to_kvcore_hashes(snap.host_hashes),
-            disk=schema.to_kvcore_hashes(snap.disk_hashes),
-        )
+        device = schema.to_kvcore_hashes(snap.block_hashes)
+        host = schema.to_kvcore_hashes(snap.host_hashes)
+        disk = schema.to_kvcore_hashes(snap.disk_hashes)
+        st.view.index.replace(device, host=host, disk=disk)
+        for hashes in (device, host, disk):
+            st.view.routed.forget(hashes)
         st.last_seq = snap.seq
         st.last_applied = self.clock()
         st.resyncing = False
@@ -349,6 +360,7 @@ class ReplicaDirectory:
         st = self.replicas.get(name)
         if st is not None:
             st.view.live = False
+            st.view.routed.clear()  # what was sent there may never be computed
             st.last_heartbeat = st.last_polled = 0.0
 
     def mark_unhealthy(self, name: str, why: str) -> None:
@@ -362,6 +374,7 @@ class ReplicaDirectory:
         # already taken it out: otherwise the count depends on which check came first.
         self.health_downs += 1
         st.view.live = False
+        st.view.routed.clear()
         log.warning("replica %s out of routing: health check failed (%s)", name, why)
 
     def mark_healthy(self, name: str) -> None:

@@ -135,6 +135,9 @@ class DirectoryRouter:
         views = self._candidates(req)
         spans = [KeySpan(start, tuple(keys)) for start, keys in req.key_spans]
         hashes = hash_blocks(req.tokens, self.block_size, spans)
+        now = self.directory.clock()
+        for v in views:
+            v.routed.expire(now)
         policy = self.policy if self.nats_up() else self.fallback
         try:
             decision = policy.choose(hashes, views, self.block_size, num_tokens=len(req.tokens))
@@ -147,6 +150,12 @@ class DirectoryRouter:
         # just sent until the next heartbeat reports the truth (which includes it).
         chosen = next(v for v in views if v.name == decision.replica)
         chosen.queued_prefill_tokens += max(0, len(req.tokens) - decision.matched_tokens)
+        # NOTE: and the blocks just sent, until the replica's events speak for them: the
+        # next request with this prefix follows instead of computing it elsewhere
+        # (cachepoint.routing.routed). Only while events flow: without them the
+        # fallback routes on load alone and nothing would ever confirm or forget these.
+        if policy is self.policy:
+            chosen.routed.add(hashes, now)
         return Routed(self._client(decision.replica, url), decision)
 
     def report_failure(self, name: str) -> None:

@@ -16,6 +16,7 @@ from cachepoint.routing.policies import (
     usable_blocks,
 )
 from cachepoint.routing.registry import DEFAULT_POLICY, POLICIES, make_policy
+from cachepoint.routing.routed import RoutedBlocks
 from cachepoint.routing.view import ReplicaView
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "ReplicaView",
     "RoundRobinPolicy",
     "RouteDecision",
+    "RoutedBlocks",
     "RoutingPolicy",
     "TierValue",
     "lower_hit_value",

@@ -24,6 +24,7 @@ class Candidate:
     saved_tokens: float = 0.0  # matched_tokens with lower-tier hits priced by transfer time
     host_blocks: int = 0  # of matched_blocks, those held in host memory (to be promoted)
     disk_blocks: int = 0  # of matched_blocks, those held on local disk (to be promoted)
+    routed_blocks: int = 0  # of matched_blocks, those routed there but not yet in its events
 
     def describe(self) -> str:
         """One line for the `route` span's candidate list."""
@@ -31,6 +32,8 @@ class Candidate:
         out += f",score={self.score:g}"
         if self.host_blocks or self.disk_blocks:
             out += f",host={self.host_blocks},disk={self.disk_blocks}"
+        if self.routed_blocks:
+            out += f",routed={self.routed_blocks}"
         return out
 
 
@@ -46,6 +49,7 @@ class RouteDecision:
     candidates: tuple[Candidate, ...]  # every routable replica, in the order given
     host_blocks: int = 0  # of matched_blocks, those it holds in host memory
     disk_blocks: int = 0  # of matched_blocks, those it holds on local disk
+    routed_blocks: int = 0  # of matched_blocks, those routed there and not yet in its events
 
     def span_attributes(self) -> dict[str, AttributeValue]:
         """Attributes for the gateway's `route` span (flat, OpenTelemetry-typed)."""
@@ -56,6 +60,7 @@ class RouteDecision:
             "cachepoint.route.matched_tokens": self.matched_tokens,
             "cachepoint.route.host_blocks": self.host_blocks,
             "cachepoint.route.disk_blocks": self.disk_blocks,
+            "cachepoint.route.routed_blocks": self.routed_blocks,
             "cachepoint.route.score": self.score,
             "cachepoint.route.candidates": [c.describe() for c in self.candidates],
         }

@@ -80,6 +80,7 @@ def _decide(
         candidates=tuple(candidates),
         host_blocks=chosen.host_blocks,
         disk_blocks=chosen.disk_blocks,
+        routed_blocks=chosen.routed_blocks,
     )
 
 
@@ -97,7 +98,10 @@ def _score_all(
     """Saved tokens minus ``penalty(queued prefill tokens)`` for every view, in order.
 
     A device hit saves its tokens; a host or disk hit saves them times the replica's
-    `TierValue` for that tier (its transfer time against recompute).
+    `TierValue` for that tier (its transfer time against recompute). Blocks routed to
+    the replica and not yet in its events (`RoutedBlocks`), right after what it holds,
+    save their tokens as device hits: the replica will have them, or be computing them
+    and make this request wait for them, by the time it runs.
     """
     hashes = block_hashes[: usable_blocks(block_hashes, block_size, num_tokens)]
     out = []
@@ -109,23 +113,29 @@ def _score_all(
             value = view.tier_value
             matched = m.blocks
             saved = block_size * (m.device + value.host * m.host + value.disk * m.disk)
-            out.append(
-                Candidate(
-                    view.name,
-                    matched,
-                    matched * block_size,
-                    load,
-                    saved - penalty(load),
-                    saved,
-                    m.host,
-                    m.disk,
-                )
-            )
+            host, disk = m.host, m.disk
         else:
             # NOTE: the device-only path computes exactly what it did before tiers.
             matched = index.match(hashes) if hashes else 0
-            tokens = matched * block_size
-            out.append(Candidate(view.name, matched, tokens, load, tokens - penalty(load), tokens))
+            saved = matched * block_size
+            host = disk = 0
+        routed = view.routed.run(hashes, matched) if view.routed else 0
+        if routed:
+            matched += routed
+            saved += routed * block_size
+        out.append(
+            Candidate(
+                view.name,
+                matched,
+                matched * block_size,
+                load,
+                saved - penalty(load),
+                saved,
+                host,
+                disk,
+                routed,
+            )
+        )
     return out
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from cachepoint.kvcore import PrefixIndex
 from cachepoint.routing.costs import TierValue
+from cachepoint.routing.routed import RoutedBlocks
 
 _UNREPORTED = TierValue()  # the defaults a replica gets until its heartbeat says otherwise
 
@@ -26,6 +27,7 @@ class ReplicaView:
     max_waiting: int | None = None  # queue bound; at it the replica is skipped (None: unbounded)
     live: bool = True  # heartbeat fresh; a replica that is not live is never chosen
     tier_value: TierValue = _UNREPORTED  # what a host/disk hit saves, from its cost model
+    routed: RoutedBlocks = field(default_factory=RoutedBlocks)  # sent there, not yet in events
 
     @property
     def routable(self) -> bool:

@@ -12,6 +12,7 @@ from cachepoint.events import schema
 from cachepoint.gateway.errors import ApiError
 from cachepoint.gateway.fleet.directory import ReplicaDirectory
 from cachepoint.gateway.fleet.routing import DirectoryRouter, RouteRequest
+from cachepoint.kvcore import KeySpan, ManualClock, hash_blocks
 
 PROMPT = list(range(64))
 
@@ -124,3 +125,74 @@ def test_a_heartbeat_without_the_draining_field_decodes_as_not_draining():
     assert old.draining is False
     new = schema.decode(schema.encode(hb("a0", "model-a", draining=True)), schema.Heartbeat)
     assert new.draining is True
+
+
+def _pick(r: DirectoryRouter, tokens: list[int]) -> str:
+    return r.pick(RouteRequest(tokens, [(0, ["org:a"])], "m")).replica.name
+
+
+SHARED = list(range(48))  # three blocks of 16 every session of the tenant starts with
+
+
+def _session(sid: int) -> list[int]:
+    return SHARED + [1000 * (sid + 1) + i for i in range(32)]
+
+
+def test_sessions_that_start_together_follow_the_first_before_any_event():
+    """Without the routed blocks, three idle replicas tie and the sessions scatter."""
+    r = router(hb("r0", "m"), hb("r1", "m"), hb("r2", "m"))
+    first = _pick(r, _session(0))
+    assert {_pick(r, _session(s)) for s in range(1, 6)} == {first}
+
+
+def test_routed_blocks_leave_when_events_name_them_or_the_replica_goes():
+    r = router(hb("r0", "m"), hb("r1", "m"))
+    d = r.directory
+    first = _pick(r, _session(0))
+    routed = d.replicas[first].view.routed
+    assert len(routed) == 5
+    # The replica's events store the shared prefix: the index speaks for it now.
+    stored = hash_blocks(SHARED, 16, (KeySpan(0, ("org:a",)),))
+    ok = d.on_batch(
+        schema.EventBatch(
+            schema.SCHEMA_VERSION,
+            first,
+            1,
+            1,
+            0.0,
+            [schema.Stored([bytes(h) for h in stored], None)],
+        )
+    )
+    assert ok is False and len(routed) == 2
+    assert _pick(r, _session(1)) == first  # held now, not routed
+    r.report_failure(first)  # a failed call: nothing sent there is expected any more
+    assert not routed
+
+
+def test_routed_blocks_expire_and_a_new_epoch_drops_them():
+    clock = ManualClock(0.0)
+    d = ReplicaDirectory(clock=clock)
+    for name in ("r0", "r1"):
+        d.on_heartbeat(hb(name, "m"))
+    r = DirectoryRouter(d, httpx.AsyncClient(), policy="cache_aware", block_size=16)
+    first = _pick(r, _session(0))
+    view = d.replicas[first].view
+    clock.advance(view.routed.ttl_s + 1)
+    d.on_heartbeat(hb("r0", "m"))
+    d.on_heartbeat(hb("r1", "m"))
+    _pick(r, list(range(5000, 5040)))  # any routing expires the stale entries first
+    assert not any(x in view.routed for x in hash_blocks(SHARED, 16, (KeySpan(0, ("org:a",)),)))
+    view.routed.add(hash_blocks(SHARED, 16), now=clock())
+    d.on_heartbeat(hb(first, "m", epoch=2))  # restarted: it holds nothing that was sent
+    assert not view.routed
+
+
+def test_while_events_are_down_load_alone_routes_and_nothing_is_recorded():
+    d = ReplicaDirectory()
+    for name in ("r0", "r1"):
+        d.on_heartbeat(hb(name, "m"))
+    r = DirectoryRouter(
+        d, httpx.AsyncClient(), policy="cache_aware", block_size=16, nats_up=lambda: False
+    )
+    _pick(r, _session(0))
+    assert not any(st.view.routed for st in d.replicas.values())
