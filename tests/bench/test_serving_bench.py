@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from cachepoint.bench import serving_bench as sb
 
 
@@ -71,3 +73,42 @@ def test_aiperf_drives_the_messages_api_without_scraping_the_server(tmp_path):
     assert argv[at("--concurrency") + 1] == "4"
     assert argv[at("--url") + 1] == "http://127.0.0.1:9"
     assert argv[at("--shared-system-prompt-length") + 1] == str(args.aiperf_system_tokens)
+
+
+def test_rounds_that_kept_their_requests_pool_them_for_percentiles():
+    """Two rounds of 10 requests: the pooled p90 is over all 20, not a median of two p90s."""
+
+    def res(ttfts, tok):
+        reqs = [
+            {"session": 0, "turn": i, "ttft_s": t, "latency_s": 2 * t} for i, t in enumerate(ttfts)
+        ]
+        return sb.LoadResult(
+            "torch",
+            "agent",
+            2,
+            sb.pct(ttfts, 0.5),
+            sb.pct(ttfts, 0.9),
+            sb.pct([2 * t for t in ttfts], 0.5),
+            sb.pct([2 * t for t in ttfts], 0.9),
+            tok,
+            len(ttfts),
+            extra={"requests": reqs},
+        )
+
+    a = res([1.0] * 9 + [10.0], 10.0)
+    b = res([1.0] * 10, 14.0)
+    p = sb.pooled([a, b])
+    assert p["ttft_p90_s"] == sb.pct([1.0] * 19 + [10.0], 0.9)
+    assert p["latency_p90_s"] == sb.pct([2.0] * 19 + [20.0], 0.9)
+    assert p["ttft_p50_s"] == 1.0
+    assert p["output_tok_s"] == 12.0  # throughput: the median over rounds
+    # Without kept requests (AIPerf's rounds), the median over rounds.
+    a.extra, b.extra = {}, {}
+    assert sb.pooled([a, b])["ttft_p90_s"] == (a.ttft_p90_s + b.ttft_p90_s) / 2
+
+
+def test_a_spin_count_that_is_not_a_number_is_refused_before_any_server_starts(capsys):
+    with pytest.raises(SystemExit) as exc:
+        sb.main(["--servers", "torch", "--loads", "agent", "--gomp-spincount", "lots"])
+    assert exc.value.code == 2
+    assert "--gomp-spincount: 'default' or a number, not 'lots'" in capsys.readouterr().err
