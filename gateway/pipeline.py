@@ -14,9 +14,11 @@ from cachepoint.billing import BillingError, Buckets, buckets
 from cachepoint.gateway.billing.ledger import NO_ATTRIBUTION, Attribution
 from cachepoint.gateway.contract.breakpoints import CachePlan, ContractError, resolve
 from cachepoint.gateway.contract.encoding import PromptTooLong
+from cachepoint.gateway.contract.fingerprint import Fingerprint, fingerprint, params_hash
 from cachepoint.gateway.contract.prompt import RenderedPrompt
 from cachepoint.gateway.contract.render import Renderer, degraded_headers
 from cachepoint.gateway.contract.toolcalls import NO_FORCING, Forcing, forcing
+from cachepoint.gateway.diagnostics import session_of
 from cachepoint.gateway.errors import invalid
 from cachepoint.gateway.fleet.upstream import UsageReportError
 from cachepoint.gateway.profiles import profile_of
@@ -25,6 +27,7 @@ from cachepoint.gateway.schemas.messages import (
     MessagesRequest,
     ThinkingEnabled,
     Usage,
+    diagnostics_requested,
 )
 from cachepoint.gateway.settings import GatewaySettings
 from cachepoint.gateway.tenancy.tenants import KeyContext
@@ -41,6 +44,10 @@ class Prepared:
     # cachepoint-degraded header ({} when nothing was); found here, in the intake thread,
     # because finding it walks every block
     degraded: dict[str, str] = field(default_factory=dict)
+    # the prompt's fingerprint when the request opted in to cache diagnostics, else None
+    fingerprint: Fingerprint | None = None
+    # the response's `diagnostics` value (gateway/diagnostics.py), set once compared
+    diagnosis: dict[str, Any] | None = None
 
 
 def tenant_key(ctx: KeyContext, settings: GatewaySettings) -> str:
@@ -114,6 +121,7 @@ def render_prompt(
 # NOTE: with interleaved thinking the budget spans every thinking block of the turn,
 # so Anthropic lets it exceed max_tokens.
 INTERLEAVED_BETA = "interleaved-thinking-2025-05-14"
+DIAGNOSIS_BETA = "cache-diagnosis-2026-04-07"
 
 
 def check_thinking(req: MessagesRequest, betas: set[str]) -> None:
@@ -191,7 +199,17 @@ def prepare(
         # one the client wants whole (dispatch.py): so that a hang-up can stop it.
         stream=True,
     )
-    return Prepared(rendered, plan, payload, forced, who, degraded_headers(req))
+    fp = None
+    if diagnostics_requested(req) or session_of(who.session_id, who.user_id):
+        fp = fingerprint(
+            rendered,
+            model=req.model,
+            # NOTE: the diagnostics beta itself opts in to nothing that changes a prompt.
+            params=params_hash(req, betas - {DIAGNOSIS_BETA}),
+            cached_end=max((bp.position for bp in plan.breakpoints), default=0),
+            block_size=settings.block_size,
+        )
+    return Prepared(rendered, plan, payload, forced, who, degraded_headers(req), fp)
 
 
 @dataclass(frozen=True, slots=True)

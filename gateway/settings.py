@@ -29,6 +29,8 @@ KNOWN_BETAS = [
     "interleaved-thinking-2025-05-14",
     "context-1m-2025-08-07",
     "fine-grained-tool-streaming-2025-05-14",
+    # Cache diagnostics (gateway/diagnostics.py): GA, the header optional, as on Anthropic.
+    "cache-diagnosis-2026-04-07",
 ]
 
 # NOTE: beta families Anthropic defines that change nothing on this gateway: Claude Code
@@ -217,6 +219,14 @@ class GatewaySettings(BaseSettings):
     cache_key_betas: list[str] = Field(
         default_factory=lambda: ["context-1m-2025-08-07", "interleaved-thinking-2025-05-14"],
         description="betas that change the KV or the cache key",
+    )
+    diagnostics_retention_s: int = Field(
+        7200,
+        ge=60,
+        description=(
+            "seconds a prompt fingerprint (cache diagnostics) is kept for a later turn to "
+            "name; longer than the 1h TTL, so a turn after an expiry is still diagnosed"
+        ),
     )
     default_input_per_mtok: int = Field(3_000_000, ge=0, description="µ$ / MTok w/o price row")
     default_output_per_mtok: int = Field(15_000_000, ge=0, description="µ$ / MTok w/o price row")

@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from cachepoint.billing import Price, cost_micros
 from cachepoint.gateway.billing.ledger import Charge, price_for, record_on
 from cachepoint.gateway.contract.render import Renderer
+from cachepoint.gateway.diagnostics import FingerprintStore
 from cachepoint.gateway.fleet.routing import Router
 from cachepoint.gateway.intake import BodyLimits, IntakePool
 from cachepoint.gateway.observability import requestlog
@@ -32,6 +33,7 @@ class GatewayState:
     limiter: RateLimiter = field(init=False)  # rate limits per org and key, from settings
     intake: IntakePool = field(init=False)  # worker threads for parsing and rendering
     body_limits: BodyLimits = field(init=False)  # caps on a body's shape, from settings
+    fingerprints: FingerprintStore = field(init=False)  # cache diagnostics' prompt fingerprints
     # key hash -> (context or None, monotonic expiry): keeps auth off the DB per request
     _auth_cache: dict[str, tuple[KeyContext | None, float]] = field(default_factory=dict)
     # key hash -> monotonic time it was last forgotten (revoked or restored here): a
@@ -59,6 +61,7 @@ class GatewayState:
         self.body_limits = BodyLimits(
             s.max_json_depth, s.max_messages, s.max_content_blocks, s.max_tools
         )
+        self.fingerprints = FingerprintStore(self.sessions.kw["bind"], s.diagnostics_retention_s)
 
     def models(self) -> list[str]:
         """Configured models plus whatever the live replicas say they serve."""

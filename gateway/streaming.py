@@ -24,7 +24,7 @@ from cachepoint.gateway.dispatch import Opened, check_final, error_of, reject_re
 from cachepoint.gateway.errors import ApiError, envelope
 from cachepoint.gateway.fleet.upstream import ReplicaStreamError, UsageReportError
 from cachepoint.gateway.pipeline import Prepared, ReportLimits, buckets_of, check_output, usage_of
-from cachepoint.gateway.schemas.messages import MessagesRequest
+from cachepoint.gateway.schemas.messages import MessagesRequest, diagnostics_requested
 from cachepoint.gateway.state import GatewayState
 from cachepoint.gateway.tenancy.idempotency import Claim
 from cachepoint.gateway.tenancy.tenants import KeyContext
@@ -233,24 +233,20 @@ async def _relay(job: StreamJob) -> AsyncIterator[bytes]:
     try:
         start_usage = usage_of(buckets_of(cache, 0, job.limits)).model_dump()
         _track_progress(job, cache, progress)
-        yield out(
-            sse(
-                "message_start",
-                {
-                    "type": "message_start",
-                    "message": {
-                        "id": msg_id,
-                        "type": "message",
-                        "role": "assistant",
-                        "content": [],
-                        "model": job.body.model,
-                        "stop_reason": None,
-                        "stop_sequence": None,
-                        "usage": start_usage,
-                    },
-                },
-            )
-        )
+        message: dict[str, Any] = {
+            "id": msg_id,
+            "type": "message",
+            "role": "assistant",
+            "content": [],
+            "model": job.body.model,
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": start_usage,
+        }
+        if diagnostics_requested(job.body):
+            # NOTE: Anthropic sends diagnostics on message_start only (none later).
+            message["diagnostics"] = job.prepared.diagnosis
+        yield out(sse("message_start", {"type": "message_start", "message": message}))
         if parser is None:
             for chunk in blocks.text(""):
                 yield out(chunk)

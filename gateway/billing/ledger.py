@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
 from fractions import Fraction
+from typing import Any
 
 from sqlalchemy import Engine, insert
 from sqlalchemy.exc import IntegrityError
@@ -28,6 +29,10 @@ class Attribution:
     session_id: str | None = None  # X-Claude-Code-Session-Id, when well formed
     user_id: str | None = None  # metadata.user_id as sent (Claude Code: a JSON string)
     requested_model: str | None = None  # the client's model name when an alias resolved it
+    # cache diagnostics against the turn before (gateway/diagnostics.py): the
+    # cache_miss_reason type, "none" when the prompt only appended, None when not compared
+    miss_reason: str | None = None
+    miss_tokens: int | None = None  # its cache_missed_input_tokens, when it has them
 
 
 NO_ATTRIBUTION = Attribution()
@@ -106,6 +111,8 @@ def _row(charge: Charge, price: Price, now: datetime | None) -> dict[str, object
         "requested_model": charge.who.requested_model,
         "session_id": charge.who.session_id,
         "user_id": charge.who.user_id,
+        "miss_reason": charge.who.miss_reason,
+        "miss_tokens": charge.who.miss_tokens,
     }
 
 
@@ -113,6 +120,13 @@ def charge_to_json(charge: Charge) -> str:
     """A charge as JSON, to be billed later by another process (a crashed stream's
     progress on its idempotency row, billed by the retry that takes the key over)."""
     return json.dumps(asdict(charge), separators=(",", ":"))
+
+
+def _opt(value: object, kind: type) -> Any:
+    """``value`` if it is None or of ``kind`` (a field older writers left out)."""
+    if value is not None and type(value) is not kind:
+        raise TypeError(f"{value!r} is not a {kind.__name__}")
+    return value
 
 
 def charge_from_json(raw: str) -> Charge:
@@ -146,7 +160,13 @@ def charge_from_json(raw: str) -> Charge:
             d["replica"],
             d["scope"],
             split,
-            Attribution(who["session_id"], who["user_id"], who["requested_model"]),
+            Attribution(
+                who["session_id"],
+                who["user_id"],
+                who["requested_model"],
+                _opt(who.get("miss_reason"), str),
+                _opt(who.get("miss_tokens"), int),
+            ),
         )
     except (KeyError, TypeError, BillingError, json.JSONDecodeError) as exc:
         raise ValueError(f"not a recorded charge: {exc!r}") from None

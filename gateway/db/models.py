@@ -115,6 +115,10 @@ class UsageRecord(Base):
     session_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
     # metadata.user_id as the client sent it (Claude Code: a JSON string), capped.
     user_id: Mapped[str | None] = mapped_column(String(512), nullable=True)
+    # Cache diagnostics against the turn before (gateway/diagnostics.py): the reason
+    # type ("none": only appended; NULL: not compared) and the tokens it cost.
+    miss_reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    miss_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class ModelAlias(Base):
@@ -155,3 +159,22 @@ class IdempotencyRecord(Base):
     # A keyed stream's charge so far (ledger.charge_to_json: input buckets, output tokens
     # delivered), written at a bounded rate; None before its prefill and for JSON calls.
     progress: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class PromptFingerprint(Base):
+    """One opted-in request's prompt fingerprint (gateway/contract/fingerprint.py): hashes
+    and token positions, never text, kept `diagnostics_retention_s` for the next turn's
+    `diagnostics.previous_message_id` to name."""
+
+    __tablename__ = "prompt_fingerprints"
+    __table_args__ = (
+        Index("ix_prompt_fingerprints_created", "created_s"),
+        Index("ix_prompt_fingerprints_session", "org_id", "session_id", "created_s"),
+    )
+
+    message_id: Mapped[str] = mapped_column(String(64), primary_key=True)  # msg_...
+    org_id: Mapped[str] = mapped_column(String(40))
+    workspace_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    session_id: Mapped[str | None] = mapped_column(String(128), nullable=True)  # its session
+    created_s: Mapped[int] = mapped_column(BigInteger)  # epoch seconds
+    data: Mapped[bytes] = mapped_column(LargeBinary)  # Fingerprint.encode()

@@ -129,6 +129,14 @@ class GatewayMetrics:
             "Requests refused because their org's intake share and queue were full",
             registry=self.registry,
         )
+        # NOTE: no tenant label: the public metrics port must not list tenants.
+        self.diagnoses = Counter(
+            "cachepoint_gateway_cache_diagnoses",
+            "Requests that asked for cache diagnostics, by cache_miss_reason type "
+            "(none: a first turn, or nothing diverged)",
+            ["reason"],
+            registry=self.registry,
+        )
 
     def watch_plane(self, read: Callable[[], dict[str, Any]]) -> None:
         self.registry.register(_PlaneCollector(read))

@@ -391,6 +391,26 @@ class ContextManagement(_Model):
         return self
 
 
+# NOTE: Anthropic's words for an id it could not have issued (Claude Code repeats the
+# request until the id is dropped, so the message says exactly what is wanted).
+BAD_PREVIOUS_ID = "must be the `id` from a prior /v1/messages response (starts with `msg_`)"
+
+
+class Diagnostics(_Model):
+    """``diagnostics``: the opt-in to cache diagnostics (docs/gateway.md). Sent, even as
+    ``{"previous_message_id": null}`` on a first turn, it has the request fingerprinted;
+    with an id it also compares this prompt with that turn's."""
+
+    previous_message_id: str | None = None
+
+    @field_validator("previous_message_id")
+    @classmethod
+    def _ours(cls, value: str | None) -> str | None:
+        if value is not None and (not value.startswith("msg_") or len(value) > 128):
+            raise ValueError(BAD_PREVIOUS_ID)
+        return value
+
+
 def _not_here(what: str) -> Any:
     """A ``mode="before"`` field validator refusing a feature this gateway cannot run."""
 
@@ -421,6 +441,9 @@ class MessagesRequest(_Request):
     context_management: ContextManagement | None = None
     service_tier: Literal["auto", "standard_only"] | None = None  # one tier here
     output_config: OutputConfig | None = None
+    # NOTE: whether it was sent at all matters (an explicit null opts in): read it
+    # with `diagnostics_requested`.
+    diagnostics: Diagnostics | None = None
     # NOTE: typed Any so that any value, whatever its shape, gets the clear refusal.
     mcp_servers: Any = None
     container: Any = None
@@ -441,6 +464,9 @@ class CountTokensRequest(_Request):
     thinking: ThinkingConfig | None = None
     context_management: ContextManagement | None = None
     output_config: OutputConfig | None = None
+    # NOTE: accepted and ignored, whatever its shape: a client that sends one body to
+    # both endpoints must not get a 400 here (Anthropic's count_tokens takes none).
+    diagnostics: Any = None
     mcp_servers: Any = None
 
     _no_mcp = field_validator("mcp_servers", mode="before")(_not_here("MCP servers are"))
@@ -498,6 +524,11 @@ class ContextManagementOut(BaseModel):
     applied_edits: list[ClearedToolUses | ClearedThinking]
 
 
+def diagnostics_requested(body: MessagesRequest) -> bool:
+    """True when the body carries ``diagnostics``, even as null (the opt-in)."""
+    return "diagnostics" in body.model_fields_set
+
+
 class MessageResponse(BaseModel):
     id: str
     type: Literal["message"] = "message"
@@ -510,6 +541,10 @@ class MessageResponse(BaseModel):
     # NOTE: only when the request sent context_management (the route leaves it out
     # otherwise), as Anthropic answers.
     context_management: ContextManagementOut | None = None
+    # NOTE: only when the request sent diagnostics (left out otherwise): null when
+    # nothing diverged, else Anthropic's {"cache_miss_reason": {...}}, plus, as an
+    # extension the SDKs ignore, {"cachepoint": {...}} (gateway/diagnostics.py).
+    diagnostics: dict[str, Any] | None = None
 
 
 class CountTokensResponse(BaseModel):

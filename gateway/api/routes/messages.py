@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
+from starlette.concurrency import run_in_threadpool
 
 from cachepoint.gateway import streaming
 from cachepoint.gateway.accounting import attribution_of, bill, charge_of
@@ -19,6 +21,7 @@ from cachepoint.gateway.api.limits import CountLimitDep, RateLimitDep
 from cachepoint.gateway.api.openapi import request_body
 from cachepoint.gateway.billing.ledger import Attribution
 from cachepoint.gateway.contract import context_edits, toolcalls
+from cachepoint.gateway.diagnostics import Diagnosed, session_of
 from cachepoint.gateway.dispatch import generate, open_watched, pick
 from cachepoint.gateway.errors import ApiError, envelope, rate_limited
 from cachepoint.gateway.fleet.routing import RouteRequest
@@ -42,6 +45,7 @@ from cachepoint.gateway.schemas.messages import (
     MessagesRequest,
     TextOut,
     ToolUseOut,
+    diagnostics_requested,
 )
 from cachepoint.gateway.state import GatewayState
 from cachepoint.gateway.streaming import StreamJob
@@ -205,6 +209,8 @@ async def create_message(
                 trim_after(len(raw))
     except IntakeFull:
         raise _intake_full(state) from None
+    if prepared.fingerprint is not None:
+        prepared = await _diagnose(state, ctx, rid, body, prepared)
     claim: idempotency.Claim | None = None
     if key is not None:
         got = await idempotency.begin(
@@ -237,6 +243,42 @@ async def create_message(
         if claim is not None:
             await claim.release()
         raise
+
+
+async def _diagnose(
+    state: GatewayState, ctx: KeyContext, rid: str, body: MessagesRequest, prepared: Prepared
+) -> Prepared:
+    """Keep the fingerprint and compare it with the turn before (a worker thread: it
+    reads and writes the database): the answer for a client that opted in, the reason
+    for the ledger, the trace and the metric. Diagnostics never fails a request: an
+    error here answers ``unavailable``, as Anthropic's does when it has no diagnosis."""
+    assert prepared.fingerprint is not None
+    opted_in = diagnostics_requested(body)
+    previous = body.diagnostics.previous_message_id if body.diagnostics else None
+    who = prepared.who
+    try:
+        d = await run_in_threadpool(
+            state.fingerprints.record_and_diagnose,
+            message_id=f"msg_{rid.removeprefix('req_')}",
+            org_id=ctx.org_id,
+            workspace_id=ctx.workspace_id,
+            fp=prepared.fingerprint,
+            opted_in=opted_in,
+            previous_id=previous,
+            session_id=session_of(who.session_id, who.user_id),
+        )
+    except Exception as exc:
+        log.warning("request %s: cache diagnostics failed: %r", rid, exc)
+        unavailable = {"cache_miss_reason": {"type": "unavailable"}}
+        d = Diagnosed(unavailable if opted_in and previous else None, "unavailable", None)
+    if d.reason is not None:
+        state.metrics.diagnoses.labels(d.reason).inc()
+        trace.get_current_span().set_attributes(
+            {"cachepoint.cache.miss_reason": d.reason}
+            | ({"cachepoint.cache.miss_tokens": d.missed_tokens} if d.missed_tokens else {})
+        )
+    who = replace(who, miss_reason=d.reason, miss_tokens=d.missed_tokens)
+    return replace(prepared, diagnosis=d.answer, who=who)
 
 
 async def _complete(
@@ -286,8 +328,13 @@ async def _complete(
         usage=usage_of(b),
         context_management=context_edits.report(prepared.rendered.applied_edits),
     )
-    unset = {"context_management"} if msg.context_management is None else None
-    response = JSONResponse(msg.model_dump(exclude=unset), headers=headers)
+    msg.diagnostics = prepared.diagnosis
+    unset = set()
+    if msg.context_management is None:
+        unset.add("context_management")
+    if not diagnostics_requested(body):
+        unset.add("diagnostics")  # not asked for: no field (the SDKs read it as null)
+    response = JSONResponse(msg.model_dump(exclude=unset or None), headers=headers)
     if claim is not None:
         await claim.complete(200, headers, bytes(response.body), "json")
     metrics = state.metrics
