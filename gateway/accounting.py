@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
+from dataclasses import replace
 
 import anyio
 from opentelemetry import trace
@@ -12,6 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from cachepoint.billing import Buckets
 from cachepoint.gateway.billing.ledger import Attribution, Charge
+from cachepoint.gateway.diagnostics import NO_DIVERGENCE, outcome_reason
 from cachepoint.gateway.observability.tracing import usage_attributes
 from cachepoint.gateway.pipeline import Prepared
 from cachepoint.gateway.schemas.messages import MessagesRequest
@@ -54,8 +57,30 @@ def attribution_of(
 
 
 def charge_of(
-    rid: str, ctx: KeyContext, req: MessagesRequest, replica: str, p: Prepared, b: Buckets
+    rid: str,
+    ctx: KeyContext,
+    req: MessagesRequest,
+    replica: str,
+    p: Prepared,
+    b: Buckets,
+    replica_started_s: float | None = None,
 ) -> Charge:
+    """The ledger row's charge. A turn compared with the one before whose prompt only
+    appended, yet read less than that turn cached, gets the server's reason for it
+    (`outcome_reason`: not retained, routed elsewhere, replica restarted, expired,
+    evicted) and the tokens it missed."""
+    who = p.who
+    if p.previous is not None and who.miss_reason == NO_DIVERGENCE:
+        read = b.cache_read_input_tokens
+        why = outcome_reason(
+            p.previous,
+            replica=replica,
+            read=read,
+            now_s=time.time(),
+            replica_started_s=replica_started_s,
+        )
+        if why is not None:
+            who = replace(who, miss_reason=why, miss_tokens=p.previous.cached_end - read)
     return Charge(
         rid,
         ctx.org_id,
@@ -65,7 +90,7 @@ def charge_of(
         replica,
         p.plan.scope,
         b,
-        p.who,
+        who,
     )
 
 
@@ -82,5 +107,14 @@ async def bill(state: GatewayState, charge: Charge, parent: Span | None = None) 
         with state.tracer.start_as_current_span("bill", context=ctx) as span:
             cost = await run_in_threadpool(state.bill, charge)
             span.set_attribute("cachepoint.ledger.inserted", cost is not None)
+            reason = charge.who.miss_reason
+            if reason is not None:
+                missed = charge.who.miss_tokens
+                attrs = {"cachepoint.cache.miss_reason": reason}
+                attrs |= {"cachepoint.cache.miss_tokens": missed} if missed else {}
+                span.set_attributes(attrs)
+                server.set_attributes(attrs)
+                if cost is not None:  # once per request, as billed
+                    state.metrics.diagnoses.labels(reason).inc()
             span.set_attributes(usage_attributes(charge.buckets, cost))
             server.set_attributes(usage_attributes(charge.buckets))

@@ -25,20 +25,21 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from sqlalchemy import Engine, delete, insert, select
+from sqlalchemy import Connection, Engine, delete, insert, select
 from sqlalchemy.exc import IntegrityError
 
 from cachepoint.gateway.contract.fingerprint import (
     REASONS_WITH_TOKENS,
+    SERVER_REASONS,
     Fingerprint,
     FingerprintError,
     diagnose,
     shared_blocks,
 )
-from cachepoint.gateway.db.models import PromptFingerprint
+from cachepoint.gateway.db.models import PromptFingerprint, UsageRecord
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +52,18 @@ def answer(prev: Fingerprint | None, cur: Fingerprint) -> dict[str, Any] | None:
     if prev is None:
         return {"cache_miss_reason": NOT_FOUND}
     d = diagnose(prev, cur)
-    if d is None:
+    if d is None or d.reason is None:
+        # NOTE: Anthropic's null: the prompt did not change. A server-only reason (a
+        # scope change, say) goes to the ledger and the trace, not here, where
+        # {"cache_miss_reason": null} would read as "still pending".
         return None
     return {
         "cache_miss_reason": d.as_reason(),
-        # NOTE: an extension the SDKs ignore: where the prompts part, in tokens (full
-        # blocks shared), and how much of it the earlier turn had cached.
+        # NOTE: an extension the SDKs ignore: the server's own reason (more precise
+        # where it knows more), where the prompts part, in tokens (full blocks shared),
+        # and how much of it the earlier turn had cached.
         "cachepoint": {
+            "reason": d.server_reason,
             "first_divergent_token": d.shared_tokens,
             "previous_cached_tokens": prev.cached_end,
         },
@@ -69,12 +75,54 @@ SESSION_CANDIDATES = 8  # a session's recent turns a new turn may continue
 
 
 @dataclass(frozen=True, slots=True)
+class PreviousTurn:
+    """The turn a request was compared with, as its fingerprint and ledger row tell it:
+    what its cache entry should hold, where it lived, and until when."""
+
+    replica: str  # the replica that served it
+    at_s: int  # when it was billed: its entry's last refresh, in epoch seconds
+    ttl_s: int  # its last breakpoint's TTL
+    cached_end: int  # its last breakpoint: what a turn appending to it should read
+    kept: int  # of it, what it read or wrote (its entries): less means not retained
+
+
+def outcome_reason(
+    prev: PreviousTurn,
+    *,
+    replica: str,
+    read: int,
+    now_s: float,
+    replica_started_s: float | None,
+) -> str | None:
+    """Why a turn whose prompt only appended still read less than the turn before had
+    cached; None when it read all of it. Only the server can say: the prompt was fine,
+    the cache entry was not there.
+
+    In order: the turn before never kept its entry (the replica refused its retention:
+    share or org quota full), this turn went to another replica, that replica started
+    since, the entry's TTL ran out, or else it was evicted under pressure.
+    """
+    if prev.cached_end == 0 or read >= prev.cached_end:
+        return None
+    if prev.kept < prev.cached_end:
+        return "not_retained"
+    if replica != prev.replica:
+        return "routed_elsewhere"
+    if replica_started_s is not None and replica_started_s > prev.at_s:
+        return "replica_restarted"
+    if now_s - prev.at_s > prev.ttl_s:
+        return "entry_expired"
+    return "entry_evicted"
+
+
+@dataclass(frozen=True, slots=True)
 class Diagnosed:
     """What a comparison gave: for the client (if it asked) and for the ledger."""
 
     answer: dict[str, Any] | None  # the response's `diagnostics` value
     reason: str | None  # the ledger's miss_reason (None: nothing to compare with)
     missed_tokens: int | None  # the ledger's miss_tokens, when the reason has them
+    previous: PreviousTurn | None = None  # the turn compared with, when it was billed
 
 
 NOT_COMPARED = Diagnosed(None, None, None)
@@ -82,15 +130,16 @@ NOT_COMPARED = Diagnosed(None, None, None)
 
 def diagnosed(prev: Fingerprint | None, cur: Fingerprint, *, found: bool) -> Diagnosed:
     """The outcome of comparing ``cur`` with ``prev`` (``found``: a turn was named and
-    looked up, but ``prev`` is None when it was not there)."""
+    looked up, but ``prev`` is None when it was not there). The ledger keeps the
+    server's reason, which is Anthropic's or more precise."""
     out = answer(prev, cur)
     if prev is None:
         return Diagnosed(out, NOT_FOUND["type"] if found else None, None)
     d = diagnose(prev, cur)
     if d is None:
         return Diagnosed(out, NO_DIVERGENCE, None)
-    tokens = d.missed_tokens if d.reason in REASONS_WITH_TOKENS else None
-    return Diagnosed(out, d.reason, tokens)
+    carries = d.server_reason in REASONS_WITH_TOKENS or d.server_reason in SERVER_REASONS
+    return Diagnosed(out, d.server_reason, d.missed_tokens if carries else None)
 
 
 _USER_SESSION = re.compile(r"_session_([0-9A-Za-z-]{8,128})$")
@@ -163,7 +212,10 @@ class FingerprintStore:
                         PromptFingerprint.message_id == previous_id, *scoped
                     )
                 ).first()
-            result = diagnosed(self._decode(row[0] if row else None, previous_id), fp, found=True)
+                prev = self._decode(row[0] if row else None, previous_id)
+                result = diagnosed(prev, fp, found=True)
+                if prev is not None:
+                    result = replace(result, previous=self._billed(conn, previous_id, prev))
         elif session_id is not None:
             with self.engine.connect() as conn:
                 rows = conn.execute(
@@ -172,19 +224,38 @@ class FingerprintStore:
                     .order_by(PromptFingerprint.created_s.desc())
                     .limit(SESSION_CANDIDATES)
                 ).all()
-            turns = [t for mid, data in rows if (t := self._decode(data, mid)) is not None]
-            if turns:
-                # NOTE: max() keeps the first of equals, and rows come newest first: the
-                # most recent of the turns sharing the most. Claude Code's side requests
-                # (titles, summaries) share a session but not a prompt with its turns.
-                prev = max(turns, key=lambda t: shared_blocks(t, fp))
-                found = diagnosed(prev, fp, found=True)
-                # NOTE: for the ledger only: a client that opted in with a null id asked
-                # for a first turn's answer (null), whatever its session holds.
-                result = Diagnosed(None, found.reason, found.missed_tokens)
+                turns = [(mid, t) for mid, data in rows if (t := self._decode(data, mid))]
+                if turns:
+                    # NOTE: max() keeps the first of equals, and rows come newest first:
+                    # the most recent of the turns sharing the most. Claude Code's side
+                    # requests (titles, summaries) share a session, not a prompt.
+                    mid, prev = max(turns, key=lambda x: shared_blocks(x[1], fp))
+                    found = diagnosed(prev, fp, found=True)
+                    # NOTE: for the ledger only: a client that opted in with a null id
+                    # asked for a first turn's answer (null), whatever its session holds.
+                    billed = self._billed(conn, mid, prev)
+                    result = Diagnosed(None, found.reason, found.missed_tokens, billed)
         self._insert(message_id, org_id, workspace_id, session_id, fp, now)
         self._maybe_prune(now)
         return result
+
+    @staticmethod
+    def _billed(conn: Connection, message_id: str, fp: Fingerprint) -> PreviousTurn | None:
+        """The turn's ledger row, read as what happened to its cache (None: not billed,
+        say a stream still running)."""
+        row = conn.execute(
+            select(
+                UsageRecord.replica,
+                UsageRecord.created_s,
+                UsageRecord.cache_read_input_tokens,
+                UsageRecord.cache_write_5m_tokens,
+                UsageRecord.cache_write_1h_tokens,
+            ).where(UsageRecord.request_id == "req_" + message_id.removeprefix("msg_"))
+        ).first()
+        if row is None:
+            return None
+        replica, at_s, read, w5, w1 = row
+        return PreviousTurn(replica, at_s, fp.cached_ttl_s, fp.cached_end, read + w5 + w1)
 
     @staticmethod
     def _decode(data: bytes | None, message_id: str) -> Fingerprint | None:

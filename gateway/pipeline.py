@@ -14,11 +14,16 @@ from cachepoint.billing import BillingError, Buckets, buckets
 from cachepoint.gateway.billing.ledger import NO_ATTRIBUTION, Attribution
 from cachepoint.gateway.contract.breakpoints import CachePlan, ContractError, resolve
 from cachepoint.gateway.contract.encoding import PromptTooLong
-from cachepoint.gateway.contract.fingerprint import Fingerprint, fingerprint, params_hash
+from cachepoint.gateway.contract.fingerprint import (
+    Fingerprint,
+    betas_hash,
+    fingerprint,
+    params_hash,
+)
 from cachepoint.gateway.contract.prompt import RenderedPrompt
 from cachepoint.gateway.contract.render import Renderer, degraded_headers
 from cachepoint.gateway.contract.toolcalls import NO_FORCING, Forcing, forcing
-from cachepoint.gateway.diagnostics import session_of
+from cachepoint.gateway.diagnostics import PreviousTurn, session_of
 from cachepoint.gateway.errors import invalid
 from cachepoint.gateway.fleet.upstream import UsageReportError
 from cachepoint.gateway.profiles import profile_of
@@ -48,6 +53,8 @@ class Prepared:
     fingerprint: Fingerprint | None = None
     # the response's `diagnostics` value (gateway/diagnostics.py), set once compared
     diagnosis: dict[str, Any] | None = None
+    # the turn it was compared with, as the ledger billed it: what happened to its cache
+    previous: PreviousTurn | None = None
 
 
 def tenant_key(ctx: KeyContext, settings: GatewaySettings) -> str:
@@ -121,6 +128,7 @@ def render_prompt(
 # NOTE: with interleaved thinking the budget spans every thinking block of the turn,
 # so Anthropic lets it exceed max_tokens.
 INTERLEAVED_BETA = "interleaved-thinking-2025-05-14"
+TTL_SECONDS = {"5m": 300, "1h": 3600}
 DIAGNOSIS_BETA = "cache-diagnosis-2026-04-07"
 
 
@@ -201,13 +209,18 @@ def prepare(
     )
     fp = None
     if diagnostics_requested(req) or session_of(who.session_id, who.user_id):
+        last = max(plan.breakpoints, key=lambda bp: bp.position, default=None)
         fp = fingerprint(
             rendered,
             model=req.model,
             # NOTE: the diagnostics beta itself opts in to nothing that changes a prompt.
             params=params_hash(req, betas - {DIAGNOSIS_BETA}),
-            cached_end=max((bp.position for bp in plan.breakpoints), default=0),
+            cached_end=last.position if last else 0,
+            cached_ttl_s=TTL_SECONDS.get(last.ttl, 300) if last else 300,
             block_size=settings.block_size,
+            key_betas=betas_hash(betas & set(settings.cache_key_betas)),
+            scope=plan.scope,
+            below_minimum=bool(plan.dropped_below_minimum),
         )
     return Prepared(rendered, plan, payload, forced, who, degraded_headers(req), fp)
 

@@ -116,7 +116,8 @@ def _track_progress(job: StreamJob, cache: CacheReport, progress: _Progress) -> 
 
     def so_far() -> Charge:
         b = buckets_of(cache, progress.delivered, job.limits)
-        return charge_of(job.rid, job.ctx, job.body, replica, job.prepared, b)
+        started = job.state.router.started_s(replica)
+        return charge_of(job.rid, job.ctx, job.body, replica, job.prepared, b, started)
 
     claim.track(so_far)
 
@@ -217,7 +218,8 @@ async def _relay(job: StreamJob) -> AsyncIterator[bytes]:
             return False
         progress.billed = True
         b = buckets_of(cache, out_tokens, job.limits)
-        row = charge_of(rid, job.ctx, job.body, opened.replica.name, job.prepared, b)
+        started = state.router.started_s(opened.replica.name)
+        row = charge_of(rid, job.ctx, job.body, opened.replica.name, job.prepared, b, started)
         try:
             await bill(state, row, job.server)
         except Exception as exc:

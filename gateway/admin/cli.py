@@ -26,6 +26,7 @@ from sqlalchemy.orm import Session
 
 from cachepoint.billing import Price
 from cachepoint.gateway.admin.safe_text import csv_text, visible
+from cachepoint.gateway.admin.sessions import Turn, turns
 from cachepoint.gateway.billing.ledger import price_for
 from cachepoint.gateway.billing.reports import (
     LIMITS,
@@ -39,8 +40,16 @@ from cachepoint.gateway.billing.reports import (
     usd,
 )
 from cachepoint.gateway.db.migrate import upgrade
-from cachepoint.gateway.db.models import ApiKey, ModelAlias, ModelPrice, Org, Workspace
+from cachepoint.gateway.db.models import (
+    ApiKey,
+    ModelAlias,
+    ModelPrice,
+    Org,
+    UsageRecord,
+    Workspace,
+)
 from cachepoint.gateway.db.session import make_engine, make_sessionmaker
+from cachepoint.gateway.diagnostics import NO_DIVERGENCE
 from cachepoint.gateway.settings import DEFAULT_DB, GatewaySettings
 from cachepoint.gateway.tenancy import aliases
 from cachepoint.gateway.tenancy.tenants import (
@@ -369,11 +378,7 @@ def cmd_usage(s: Session, a: argparse.Namespace) -> None:
         q = parse_query(org.id, params, USAGE_GROUPS, WIDTHS)
     except ReportError as exc:
         raise TenantError(str(exc)) from exc
-    gs = _gateway_settings()
-    default = Price(
-        gs.default_input_per_mtok if gs else _DEFAULTS["default_input_per_mtok"],
-        gs.default_output_per_mtok if gs else _DEFAULTS["default_output_per_mtok"],
-    )
+    default = _default_price()
     prices: dict[str, Price] = {}
 
     def price_of(model: str) -> Price:
@@ -421,8 +426,107 @@ def cmd_usage(s: Session, a: argparse.Namespace) -> None:
         out.print("more buckets follow: narrow --since or raise --limit")
 
 
+def cmd_sessions(s: Session, a: argparse.Namespace) -> None:
+    org = get_org(s, a.org)
+    rows = (
+        s.execute(
+            select(UsageRecord)
+            .where(UsageRecord.org_id == org.id, UsageRecord.session_id == a.session_id)
+            .order_by(UsageRecord.created_at, UsageRecord.request_id)
+        )
+        .scalars()
+        .all()
+    )
+    if not rows:
+        raise TenantError(f"no billed requests of session {a.session_id!r} in org {org.name!r}")
+    default = _default_price()
+    prices: dict[str, Price] = {}
+
+    def price_of(model: str) -> Price:
+        if model not in prices:
+            prices[model] = price_for(s, model, default)
+        return prices[model]
+
+    session_turns = turns(rows, price_of)
+    cols = [
+        "turn",
+        "request",
+        "model",
+        "uncached_input",
+        "cache_read",
+        "cache_write_5m",
+        "cache_write_1h",
+        "output",
+        "appended",
+        "cost_usd",
+        "uncached_usd",
+        "break",
+    ]
+    table_rows = [
+        [
+            t.index,
+            t.request_id,
+            t.model,
+            t.buckets.input_tokens,
+            t.buckets.cache_read_input_tokens,
+            t.buckets.cache_write_5m_tokens,
+            t.buckets.cache_write_1h_tokens,
+            t.buckets.output_tokens,
+            t.appended,
+            usd(t.cost_micros),
+            usd(t.uncached_micros),
+            _break(t),
+        ]
+        for t in session_turns
+    ]
+    if a.csv:
+        w = csv.writer(sys.stdout)
+        w.writerow(cols)
+        w.writerows([row[0], *(csv_text(str(c)) for c in row[1:3]), *row[3:]] for row in table_rows)
+        return
+    t = _table(*cols, title=f"session {a.session_id} of {org.name}")
+    for row in table_rows:
+        _add_row(t, *row)
+    out.print(t)
+    cost = sum(x.cost_micros for x in session_turns)
+    uncached = sum(x.uncached_micros for x in session_turns)
+    broken = [x for x in session_turns if x.broke]
+    lost = sum(x.break_micros for x in broken)
+    _say(
+        f"{len(session_turns)} turns: ${usd(cost)} against ${usd(uncached)} uncached; "
+        f"{len(broken)} wrote more than they appended, costing ${usd(lost)} over reads"
+    )
+
+
+def _break(t: Turn) -> str:
+    """The break column: why a turn wrote more than it appended, and what it cost."""
+    if not t.broke:
+        return ""
+    if t.reason is None:
+        return "not diagnosed (no session or opt-in on the turn)"
+    if t.reason == NO_DIVERGENCE:
+        # NOTE: billed before the server's outcome reasons existed (gateway/diagnostics.py):
+        # the prompt only appended, so the turn before was not in the cache any more.
+        return "prompt unchanged: the entry was gone (expired or evicted)"
+    tokens = f"; {t.missed} tokens ${usd(t.break_micros)}" if t.missed else ""
+    return f"{t.reason}{tokens}"
+
+
+def _default_price() -> Price:
+    gs = _gateway_settings()
+    return Price(
+        gs.default_input_per_mtok if gs else _DEFAULTS["default_input_per_mtok"],
+        gs.default_output_per_mtok if gs else _DEFAULTS["default_output_per_mtok"],
+    )
+
+
 # NOTE: the short names the usage command takes for the ledger's columns.
-_GROUP_NAMES = {"session": "session_id", "user": "user_id", "key": "api_key_id"}
+_GROUP_NAMES = {
+    "session": "session_id",
+    "user": "user_id",
+    "key": "api_key_id",
+    "reason": "miss_reason",
+}
 _DEFAULTS = {
     name: GatewaySettings.model_fields[name].default
     for name in ("default_input_per_mtok", "default_output_per_mtok")
@@ -563,6 +667,26 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--user-id", action="append", help="only these metadata.user_id values")
     c.add_argument("--total", action="store_true", help="one row per group for the whole window")
     c.add_argument("--limit", type=int, help="buckets to show")
+    c.add_argument("--csv", action="store_true", help="CSV on stdout instead of a table")
+
+    c = command(
+        sub,
+        "sessions",
+        cmd_sessions,
+        "print one session turn by turn: the four buckets, cost against uncached, and "
+        "why each turn that wrote more than it appended broke the cache",
+    )
+    c.epilog = (
+        "A session is Claude Code's X-Claude-Code-Session-Id (or the session in "
+        "metadata.user_id). Its turns are compared with the turn each continues (cache "
+        "diagnostics), so a break names its cause: a prompt change (tools_changed, "
+        "system_changed, messages_changed, model_changed, unavailable: another prompt "
+        "parameter, scope_changed, betas_changed) or what happened to the entry "
+        "(not_retained, routed_elsewhere, replica_restarted, entry_expired, "
+        "entry_evicted, below_minimum)."
+    )
+    c.add_argument("session_id", metavar="SESSION_ID")
+    c.add_argument("--org", required=True)
     c.add_argument("--csv", action="store_true", help="CSV on stdout instead of a table")
     return p
 

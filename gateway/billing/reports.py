@@ -24,9 +24,10 @@ from cachepoint.gateway.db.models import UsageRecord
 WIDTHS = {"1m": 60, "1h": 3600, "1d": 86400}
 LIMITS = {"1m": (60, 1440), "1h": (24, 168), "1d": (7, 31)}  # (default, max) buckets a page
 # NOTE: the first three are Anthropic's and every result names them (None when not
-# grouped); session_id and user_id are ours and appear only when grouped by.
+# grouped); session_id, user_id and miss_reason (cache diagnostics' reason against the
+# turn before: gateway/diagnostics.py) are ours and appear only when grouped by.
 ANTHROPIC_GROUPS = ("model", "api_key_id", "workspace_id")
-USAGE_GROUPS = {*ANTHROPIC_GROUPS, "session_id", "user_id"}
+USAGE_GROUPS = {*ANTHROPIC_GROUPS, "session_id", "user_id", "miss_reason"}
 COST_GROUPS = {*USAGE_GROUPS, "description"}
 TOKEN_FIELDS = (
     "input_tokens",

@@ -53,12 +53,16 @@ class _Wire(msgspec.Struct, array_like=True, frozen=True):
     v: int
     model: str
     params: int
+    key_betas: int
+    scope: str
+    below_minimum: bool
     tools: int
     system: int
     messages: bytes  # array('Q'), native order of the writer: see `_ORDER`
     block_size: int
     blocks: bytes  # array('I')
     cached_end: int
+    cached_ttl_s: int
     prompt_tokens: int
     little: bool  # the writer's byte order
 
@@ -72,6 +76,9 @@ class Fingerprint:
 
     model: str  # the served model id: one model, one cache
     params: int  # hash of the other prompt-affecting parameters (tool_choice, thinking, ...)
+    key_betas: int  # hash of the betas in the cache key (settings.cache_key_betas)
+    scope: str  # the cache scope its entries were keyed under: org or global
+    below_minimum: bool  # a marker was dropped as shorter than the minimum cacheable prefix
     tools: int  # hash of the tools section's tokens (0: no tools)
     system: int  # hash of the system section's tokens (0: no system)
     messages: tuple[int, ...]  # hash of each message's tokens, in order
@@ -79,6 +86,7 @@ class Fingerprint:
     blocks: array[int]  # low 32 bits of each full block's chained content hash
     cached_end: int  # where the request's last cache breakpoint sits (0: none)
     prompt_tokens: int  # the rendered prompt's length
+    cached_ttl_s: int = 300  # that breakpoint's TTL: how long its entry outlives the turn
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(
@@ -86,12 +94,16 @@ class Fingerprint:
                 VERSION,
                 self.model,
                 self.params,
+                self.key_betas,
+                self.scope,
+                self.below_minimum,
                 self.tools,
                 self.system,
                 array("Q", self.messages).tobytes(),
                 self.block_size,
                 self.blocks.tobytes(),
                 self.cached_end,
+                self.cached_ttl_s,
                 self.prompt_tokens,
                 _ORDER_LITTLE,
             )
@@ -117,6 +129,9 @@ class Fingerprint:
         return cls(
             w.model,
             w.params,
+            w.key_betas,
+            w.scope,
+            w.below_minimum,
             w.tools,
             w.system,
             tuple(messages),
@@ -124,6 +139,7 @@ class Fingerprint:
             blocks,
             w.cached_end,
             w.prompt_tokens,
+            w.cached_ttl_s,
         )
 
 
@@ -150,6 +166,11 @@ def params_hash(request: Any, betas: Collection[str]) -> int:
     return xxhash.xxh64_intdigest(msgspec.json.encode(doc, order="sorted"))
 
 
+def betas_hash(key_betas: Collection[str]) -> int:
+    """The cache-key betas, as a fingerprint keeps them."""
+    return xxhash.xxh64_intdigest("\n".join(sorted(key_betas)).encode())
+
+
 def fingerprint(
     rendered: RenderedPrompt,
     *,
@@ -157,6 +178,10 @@ def fingerprint(
     params: int,
     cached_end: int,
     block_size: int,
+    key_betas: int = 0,
+    scope: str = "org",
+    below_minimum: bool = False,
+    cached_ttl_s: int = 300,
 ) -> Fingerprint:
     """The fingerprint of one rendered prompt (``cached_end``: its last breakpoint)."""
     tokens = rendered.tokens
@@ -175,6 +200,9 @@ def fingerprint(
     return Fingerprint(
         model=model,
         params=params,
+        key_betas=key_betas,
+        scope=scope,
+        below_minimum=below_minimum,
         tools=_digest(sections["tools"]) if sections["tools"] else 0,
         system=_digest(sections["system"]) if sections["system"] else 0,
         messages=tuple(_digest(messages.get(i, ())) for i in range(count)),
@@ -182,19 +210,27 @@ def fingerprint(
         blocks=blocks,
         cached_end=cached_end,
         prompt_tokens=len(tokens),
+        cached_ttl_s=cached_ttl_s,
     )
+
+
+# The reasons only the server can give (docs/gateway.md, "Cache diagnostics"), where
+# Anthropic's answer is null or `unavailable`: the prompt did not change, the cache key did.
+SERVER_REASONS = frozenset({"scope_changed", "betas_changed", "below_minimum"})
 
 
 @dataclass(frozen=True, slots=True)
 class Divergence:
-    """The first place two turns' prompts differ, as Anthropic's `cache_miss_reason` names it."""
+    """Why a turn could not reuse all of the one before: Anthropic's `cache_miss_reason`
+    (``reason``), and the server's own, which is more precise where it knows more."""
 
-    reason: str  # model_changed | tools_changed | system_changed | messages_changed | unavailable
+    reason: str | None  # Anthropic's type; None where its answer is null (no prompt change)
+    server_reason: str  # ``reason``, or scope_changed | betas_changed | below_minimum
     missed_tokens: int  # cache_missed_input_tokens (0 for unavailable, which carries none)
     shared_tokens: int  # leading tokens in full blocks the two prompts share
 
     def as_reason(self) -> dict[str, Any]:
-        """The ``cache_miss_reason`` object of Anthropic's API."""
+        """The ``cache_miss_reason`` object of Anthropic's API (``reason`` must be set)."""
         if self.reason in REASONS_WITH_TOKENS:
             return {"type": self.reason, "cache_missed_input_tokens": self.missed_tokens}
         return {"type": self.reason}
@@ -214,21 +250,37 @@ def shared_blocks(prev: Fingerprint, cur: Fingerprint) -> int:
 
 def diagnose(prev: Fingerprint, cur: Fingerprint) -> Divergence | None:
     """Why ``cur`` could not reuse all of ``prev``'s cached prefix; None when it only
-    appended to it.
+    appended to it and could.
 
     The missed tokens: what ``prev``'s cache entries cover (to its last breakpoint),
-    less the full blocks both prompts share, which is what ``cur`` would have read had
-    its prefix matched. Another model shares nothing (one model, one cache).
+    less the full blocks both prompts share under one cache key, which is what ``cur``
+    would have read had its prefix matched. Another model, scope or set of cache-key
+    betas shares nothing (each has a cache of its own).
     """
-    shared = 0 if prev.model != cur.model else shared_blocks(prev, cur) * cur.block_size
+    same_key = prev.scope == cur.scope and prev.key_betas == cur.key_betas
+    shared = 0
+    if prev.model == cur.model and same_key:
+        shared = shared_blocks(prev, cur) * cur.block_size
     missed = max(0, prev.cached_end - shared)
+
+    def found(reason: str | None, server: str, tokens: int = missed) -> Divergence:
+        return Divergence(reason, server, tokens, shared)
+
     if prev.model != cur.model:
-        return Divergence("model_changed", missed, shared)
+        return found("model_changed", "model_changed")
     for section in SECTION_ORDER:
         if getattr(prev, section) != getattr(cur, section):
-            return Divergence(f"{section}_changed", missed, shared)
+            name = f"{section}_changed"
+            return found(name, name)
     if prev.params != cur.params:
-        return Divergence("unavailable", 0, shared)
+        # NOTE: a cache-key beta is among the parameters Anthropic answers `unavailable`
+        # for; the server knows it changed the key, so every block was missed.
+        key = prev.key_betas != cur.key_betas
+        return found("unavailable", "betas_changed" if key else "unavailable", 0)
     if cur.messages[: len(prev.messages)] != prev.messages:
-        return Divergence("messages_changed", missed, shared)
+        return found("messages_changed", "messages_changed")
+    if prev.scope != cur.scope:
+        return found(None, "scope_changed")
+    if prev.cached_end == 0 and prev.below_minimum:
+        return found(None, "below_minimum", 0)
     return None

@@ -56,6 +56,9 @@ class Router(Protocol):
     def freshness_s(self, name: str) -> float | None:
         """Seconds since ``name``'s prefix index last changed (None if unknown)."""
 
+    def started_s(self, name: str) -> float | None:
+        """When ``name``'s process started, in epoch seconds (None if unknown)."""
+
 
 def decide(router: Router, req: RouteRequest, *, tracer: Tracer, metrics: GatewayMetrics) -> Routed:
     """``router``'s choice for ``req``, in a ``route`` span and counted by outcome; its
@@ -163,3 +166,8 @@ class DirectoryRouter:
 
     def freshness_s(self, name: str) -> float | None:
         return self.directory.freshness_s(name)
+
+    def started_s(self, name: str) -> float | None:
+        st = self.directory.replicas.get(name)
+        # NOTE: a replica's epoch is its start time in wall-clock nanoseconds.
+        return st.epoch / 1e9 if st is not None and st.epoch else None

@@ -146,6 +146,9 @@ class StaticRouter:
     def freshness_s(self, name: str) -> float | None:
         return None
 
+    def started_s(self, name: str) -> float | None:
+        return None
+
 
 @dataclass
 class Gateway:

@@ -105,7 +105,11 @@ def test_a_changed_system_names_the_system_and_the_tokens_it_cost(stack):
     first = BOS + HEADER + k  # the first token that differs
     assert reason.cache_missed_input_tokens == P1 - floor(first)
     extension = r2.diagnostics.model_extra["cachepoint"]
-    assert extension == {"first_divergent_token": floor(first), "previous_cached_tokens": P1}
+    assert extension == {
+        "reason": "system_changed",
+        "first_divergent_token": floor(first),
+        "previous_cached_tokens": P1,
+    }
     # And usage agrees: what was read is what the two prompts share in whole blocks.
     assert r2.usage.cache_read_input_tokens <= floor(first)
 
@@ -268,3 +272,16 @@ def test_the_ledger_keeps_an_opted_in_turns_reason_too(stack):
     assert _ledger(stack, r2._request_id) == ("system_changed", reason.cache_missed_input_tokens)
     r3 = ask(c, turn2(), diagnostics={"previous_message_id": "msg_unknown"})
     assert _ledger(stack, r3._request_id) == ("previous_message_not_found", None)
+
+
+def test_a_turn_after_one_too_short_to_cache_is_below_minimum_in_the_ledger(stack):
+    c = client(stack)
+    session = {"X-Claude-Code-Session-Id": "5d1c2f0a-7b0e-4c55-8a0b-0c1d2e3f4a5b"}
+    kw = dict(model=MODEL, max_tokens=2, extra_headers=session, extra_body={"temperature": 0.0})
+    short = [{"role": "user", "content": [cached("Hi.")]}]  # under the 64-token minimum
+    r1 = c.messages.create(messages=short, **kw)
+    assert r1.usage.cache_creation_input_tokens == 0
+    longer = [*short, {"role": "assistant", "content": "Hello."}]
+    longer.append({"role": "user", "content": [cached("Tell me about kettles. " * 4)]})
+    r2 = c.messages.create(messages=longer, **kw)
+    assert _ledger(stack, r2._request_id) == ("below_minimum", 0)

@@ -9,11 +9,12 @@ import pytest
 from cachepoint.gateway.contract.fingerprint import (
     Fingerprint,
     FingerprintError,
+    betas_hash,
     diagnose,
     fingerprint,
 )
 from cachepoint.gateway.contract.prompt import BlockSpan, RenderedPrompt
-from cachepoint.gateway.diagnostics import answer
+from cachepoint.gateway.diagnostics import answer, diagnosed
 
 BS = 16
 
@@ -36,9 +37,16 @@ def render(tools: list[int], system: list[int], messages: list[list[int]]) -> Re
     return RenderedPrompt(tokens, tuple(spans))
 
 
-def fp(prompt: RenderedPrompt, *, model: str = "m", params: int = 0, cached_end: int | None = None):
+def fp(
+    prompt: RenderedPrompt,
+    *,
+    model: str = "m",
+    params: int = 0,
+    cached_end: int | None = None,
+    **kw,
+):
     end = len(prompt) if cached_end is None else cached_end
-    return fingerprint(prompt, model=model, params=params, cached_end=end, block_size=BS)
+    return fingerprint(prompt, model=model, params=params, cached_end=end, block_size=BS, **kw)
 
 
 TOOLS = list(range(1000, 1040))
@@ -109,7 +117,11 @@ def test_the_answer_carries_anthropics_reason_and_the_extension():
     out = answer(prev, fp(render(TOOLS, [9, *SYSTEM[1:]], [M0])))
     assert out == {
         "cache_miss_reason": {"type": "system_changed", "cache_missed_input_tokens": 190 - 32},
-        "cachepoint": {"first_divergent_token": 32, "previous_cached_tokens": 190},
+        "cachepoint": {
+            "reason": "system_changed",
+            "first_divergent_token": 32,
+            "previous_cached_tokens": 190,
+        },
     }
     assert answer(None, prev) == {"cache_miss_reason": {"type": "previous_message_not_found"}}
     assert answer(prev, prev) is None
@@ -124,3 +136,33 @@ def test_round_trip_size_and_refusals():
     assert len(data) <= 4 * (len(big) // BS) + 8 * 100 + 64
     with pytest.raises(FingerprintError, match="not a fingerprint"):
         Fingerprint.decode(b"\x00garbage")
+
+
+def test_what_only_the_server_knows_goes_to_the_ledger_not_to_anthropics_answer():
+    prompt = render(TOOLS, SYSTEM, [M0])
+    prev = fp(prompt, cached_end=160)
+    # The same prompt under another cache scope: Anthropic's answer is null (no prompt
+    # change); the server knows the key changed, so every cached token was missed.
+    d = diagnose(prev, fp(prompt, scope="global"))
+    assert d is not None and (d.reason, d.server_reason, d.missed_tokens) == (
+        None,
+        "scope_changed",
+        160,
+    )
+    assert answer(prev, fp(prompt, scope="global")) is None
+    ledger = diagnosed(prev, fp(prompt, scope="global"), found=True)
+    assert (ledger.answer, ledger.reason, ledger.missed_tokens) == (None, "scope_changed", 160)
+    # A cache-key beta: Anthropic says unavailable (another parameter); the server says why.
+    d = diagnose(prev, fp(prompt, params=1, key_betas=betas_hash({"context-1m-2025-08-07"})))
+    assert d is not None and (d.reason, d.server_reason) == ("unavailable", "betas_changed")
+    # A parameter outside the key: unavailable on both sides.
+    d = diagnose(prev, fp(prompt, params=1))
+    assert d is not None and (d.reason, d.server_reason) == ("unavailable", "unavailable")
+    # The turn before was too short to cache: nothing to read, and that is why.
+    short = fp(prompt, cached_end=0, below_minimum=True)
+    d = diagnose(short, fp(render(TOOLS, SYSTEM, [M0, M1])))
+    assert d is not None and (d.reason, d.server_reason, d.missed_tokens) == (
+        None,
+        "below_minimum",
+        0,
+    )

@@ -271,14 +271,10 @@ async def _diagnose(
         log.warning("request %s: cache diagnostics failed: %r", rid, exc)
         unavailable = {"cache_miss_reason": {"type": "unavailable"}}
         d = Diagnosed(unavailable if opted_in and previous else None, "unavailable", None)
-    if d.reason is not None:
-        state.metrics.diagnoses.labels(d.reason).inc()
-        trace.get_current_span().set_attributes(
-            {"cachepoint.cache.miss_reason": d.reason}
-            | ({"cachepoint.cache.miss_tokens": d.missed_tokens} if d.missed_tokens else {})
-        )
+    # NOTE: the reason is final at billing (`charge_of`), where what happened to the
+    # cache is known; it is counted and traced there.
     who = replace(who, miss_reason=d.reason, miss_tokens=d.missed_tokens)
-    return replace(prepared, diagnosis=d.answer, who=who)
+    return replace(prepared, diagnosis=d.answer, who=who, previous=d.previous)
 
 
 async def _complete(
@@ -313,7 +309,8 @@ async def _complete(
         return _client_gone(state, rid, "while queued or prefilling")
     b = buckets_of(gen.cache, gen.output_tokens, limits)
     # NOTE: billed before the response leaves; the request id makes a retry a no-op.
-    await bill(state, charge_of(rid, ctx, body, gen.replica, prepared, b))
+    started = state.router.started_s(gen.replica)
+    await bill(state, charge_of(rid, ctx, body, gen.replica, prepared, b, started))
     if result is None:
         return _client_gone(state, rid, f"after {gen.output_tokens} output tokens")
     headers = {SCOPE_HEADER: prepared.plan.scope, REPLICA_HEADER: gen.replica}
