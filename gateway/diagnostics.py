@@ -198,10 +198,55 @@ class FingerprintStore:
         opted_in: bool,
         previous_id: str | None,
         session_id: str | None = None,
+        api_key_id: str | None = None,
     ) -> Diagnosed:
-        """Keep ``fp`` under ``message_id`` and compare it with the turn before: the one
-        ``previous_id`` names (``opted_in``), or else the turn of ``session_id`` it
-        continues (most blocks in common among the session's recent turns)."""
+        """`diagnose`, then `keep`: compare, then keep ``fp`` for the turns after."""
+        d = self.diagnose(
+            org_id=org_id,
+            workspace_id=workspace_id,
+            fp=fp,
+            opted_in=opted_in,
+            previous_id=previous_id,
+            session_id=session_id,
+            api_key_id=api_key_id,
+        )
+        self.keep(message_id, org_id, workspace_id, session_id, api_key_id, fp)
+        return d
+
+    def keep(
+        self,
+        message_id: str,
+        org_id: str,
+        workspace_id: str | None,
+        session_id: str | None,
+        api_key_id: str | None,
+        fp: Fingerprint,
+    ) -> None:
+        """Keep ``fp`` under ``message_id`` for a later turn to be compared with (and
+        delete the expired ones, at most once a minute).
+
+        NOTE: on the request's path, in the same worker-thread hop as `diagnose`. Run
+        after it, in the background, it measured slower (bench/RESULTS.md, issue 33):
+        on SQLite it then contends with the ledger's write for the one writer."""
+        now = int(self.clock())
+        self._insert(message_id, org_id, workspace_id, session_id, api_key_id, fp, now)
+        self._maybe_prune(now)
+
+    def diagnose(
+        self,
+        *,
+        org_id: str,
+        workspace_id: str | None,
+        fp: Fingerprint,
+        opted_in: bool,
+        previous_id: str | None,
+        session_id: str | None = None,
+        api_key_id: str | None = None,
+    ) -> Diagnosed:
+        """Compare ``fp`` with the turn before: the one ``previous_id`` names
+        (``opted_in``), or else the turn of ``session_id`` it continues (most blocks in
+        common among the session's recent turns; for a session's first turn, among the
+        same key's recent turns that share a block)."""
         now = int(self.clock())
         scoped = self._scoped(org_id, workspace_id, now)
         result = NOT_COMPARED
@@ -218,13 +263,18 @@ class FingerprintStore:
                     result = replace(result, previous=self._billed(conn, previous_id, prev))
         elif session_id is not None:
             with self.engine.connect() as conn:
-                rows = conn.execute(
-                    select(PromptFingerprint.message_id, PromptFingerprint.data)
-                    .where(PromptFingerprint.session_id == session_id, *scoped)
-                    .order_by(PromptFingerprint.created_s.desc())
-                    .limit(SESSION_CANDIDATES)
-                ).all()
-                turns = [(mid, t) for mid, data in rows if (t := self._decode(data, mid))]
+                turns = self._recent(conn, PromptFingerprint.session_id == session_id, scoped)
+                if not turns and api_key_id is not None:
+                    # NOTE: a session's first turn continues, if anything, the same key's
+                    # last session (a new Claude Code session in the same project reads
+                    # the tools the last one cached): compared only if it shares a block.
+                    turns = [
+                        x
+                        for x in self._recent(
+                            conn, PromptFingerprint.api_key_id == api_key_id, scoped
+                        )
+                        if shared_blocks(x[1], fp) > 0
+                    ]
                 if turns:
                     # NOTE: max() keeps the first of equals, and rows come newest first:
                     # the most recent of the turns sharing the most. Claude Code's side
@@ -235,9 +285,19 @@ class FingerprintStore:
                     # asked for a first turn's answer (null), whatever its session holds.
                     billed = self._billed(conn, mid, prev)
                     result = Diagnosed(None, found.reason, found.missed_tokens, billed)
-        self._insert(message_id, org_id, workspace_id, session_id, fp, now)
-        self._maybe_prune(now)
         return result
+
+    def _recent(
+        self, conn: Connection, which: Any, scoped: list[Any]
+    ) -> list[tuple[str, Fingerprint]]:
+        """The newest ``SESSION_CANDIDATES`` fingerprints matching ``which``, newest first."""
+        rows = conn.execute(
+            select(PromptFingerprint.message_id, PromptFingerprint.data)
+            .where(which, *scoped)
+            .order_by(PromptFingerprint.created_s.desc())
+            .limit(SESSION_CANDIDATES)
+        ).all()
+        return [(mid, fp) for mid, data in rows if (fp := self._decode(data, mid))]
 
     @staticmethod
     def _billed(conn: Connection, message_id: str, fp: Fingerprint) -> PreviousTurn | None:
@@ -274,6 +334,7 @@ class FingerprintStore:
         org_id: str,
         workspace_id: str | None,
         session_id: str | None,
+        api_key_id: str | None,
         fp: Fingerprint,
         now: int,
     ) -> None:
@@ -287,6 +348,7 @@ class FingerprintStore:
                             "org_id": org_id,
                             "workspace_id": workspace_id,
                             "session_id": session_id,
+                            "api_key_id": api_key_id,
                             "created_s": now,
                             "data": fp.encode(),
                         }

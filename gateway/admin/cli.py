@@ -492,9 +492,11 @@ def cmd_sessions(s: Session, a: argparse.Namespace) -> None:
     uncached = sum(x.uncached_micros for x in session_turns)
     broken = [x for x in session_turns if x.broke]
     lost = sum(x.break_micros for x in broken)
+    n = len(session_turns)
     _say(
-        f"{len(session_turns)} turns: ${usd(cost)} against ${usd(uncached)} uncached; "
-        f"{len(broken)} wrote more than they appended, costing ${usd(lost)} over reads"
+        f"{n} turn{'' if n == 1 else 's'}: ${usd(cost)} against ${usd(uncached)} uncached; "
+        f"{len(broken)} broke the cache (wrote what a turn before had cached), costing "
+        f"${usd(lost)} over reading it"
     )
 
 

@@ -33,8 +33,12 @@ class Turn:
 
     @property
     def broke(self) -> bool:
-        """It wrote more than it appended: part of what it wrote was there before."""
-        return self.index > 1 and self.written > self.appended
+        """It wrote more than it appended: part of what it wrote was there before. A
+        session's first turn appended all of its prompt; it broke when diagnostics found
+        a turn it continues (the same key's last session) and tokens it missed."""
+        if self.index == 1:
+            return self.reason not in (None, "none") and bool(self.missed)
+        return self.written > self.appended
 
 
 def _buckets(r: UsageRecord) -> Buckets:

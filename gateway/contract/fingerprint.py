@@ -252,16 +252,18 @@ def diagnose(prev: Fingerprint, cur: Fingerprint) -> Divergence | None:
     """Why ``cur`` could not reuse all of ``prev``'s cached prefix; None when it only
     appended to it and could.
 
-    The missed tokens: what ``prev``'s cache entries cover (to its last breakpoint),
-    less the full blocks both prompts share under one cache key, which is what ``cur``
-    would have read had its prefix matched. Another model, scope or set of cache-key
-    betas shares nothing (each has a cache of its own).
+    The missed tokens: what ``prev``'s cache entries cover (to its last breakpoint, and
+    no further than ``cur``'s), less the full blocks both prompts share under one cache
+    key, which is what ``cur`` would have read had its prefix matched. Another model,
+    scope or set of cache-key betas shares nothing (each has a cache of its own).
     """
     same_key = prev.scope == cur.scope and prev.key_betas == cur.key_betas
     shared = 0
     if prev.model == cur.model and same_key:
         shared = shared_blocks(prev, cur) * cur.block_size
-    missed = max(0, prev.cached_end - shared)
+    # NOTE: a turn reads no further than its own last breakpoint: a shorter one (a new
+    # session's first turn after a long session) could never have read all of prev's.
+    missed = max(0, min(prev.cached_end, cur.cached_end) - shared)
 
     def found(reason: str | None, server: str, tokens: int = missed) -> Divergence:
         return Divergence(reason, server, tokens, shared)

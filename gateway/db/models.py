@@ -170,11 +170,13 @@ class PromptFingerprint(Base):
     __table_args__ = (
         Index("ix_prompt_fingerprints_created", "created_s"),
         Index("ix_prompt_fingerprints_session", "org_id", "session_id", "created_s"),
+        Index("ix_prompt_fingerprints_key", "org_id", "api_key_id", "created_s"),
     )
 
     message_id: Mapped[str] = mapped_column(String(64), primary_key=True)  # msg_...
     org_id: Mapped[str] = mapped_column(String(40))
     workspace_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
     session_id: Mapped[str | None] = mapped_column(String(128), nullable=True)  # its session
+    api_key_id: Mapped[str | None] = mapped_column(String(40), nullable=True)  # the key it used
     created_s: Mapped[int] = mapped_column(BigInteger)  # epoch seconds
     data: Mapped[bytes] = mapped_column(LargeBinary)  # Fingerprint.encode()

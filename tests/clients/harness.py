@@ -102,3 +102,15 @@ def ledger(db_url: str) -> list[Row]:
             return [Row(r[0], r[1], Buckets(*r[2:7]), r[7]) for r in conn.execute(text(q))]
     finally:
         engine.dispose()
+
+
+def miss_of(db_url: str, request_id: str) -> tuple[str | None, int | None]:
+    """A usage row's cache diagnostics: (miss_reason, miss_tokens)."""
+    engine = make_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            q = text("SELECT miss_reason, miss_tokens FROM usage WHERE request_id = :rid")
+            row = conn.execute(q, {"rid": request_id}).one()
+            return row[0], row[1]
+    finally:
+        engine.dispose()

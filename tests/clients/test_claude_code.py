@@ -4,11 +4,12 @@ a three-turn session with a fresh HOME, judged by what the gateway logged and bi
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from cachepoint.embedded.stack import Stack
+from cachepoint.embedded.stack import DEMO_ORG, Stack
 from cachepoint.replica.random_model import RANDOM_CONTEXT
 
 from .harness import (
@@ -18,12 +19,14 @@ from .harness import (
     claude_env,
     installed,
     ledger,
+    miss_of,
     request_log,
     run_claude,
     transcript_sessions,
 )
 
 PROMPTS = ["say hi", "now say it in French", "and once more in German"]
+ADMIN = [sys.executable, "-m", "cachepoint.gateway.admin.cli"]
 
 
 def test_claude_code_is_the_pinned_native_binary() -> None:
@@ -82,5 +85,30 @@ def test_claude_code_session_reads_the_cache_and_bills_one_session(
         assert len(sessions) == 1 and None not in sessions, sessions
         # The id billed is the one Claude Code keeps the session's transcript under.
         assert sessions <= transcript_sessions(home)
+
+        # A second session in the same project, from a subdirectory: the same tools,
+        # a system text that names another working directory. Cache diagnostics (no
+        # opt-in: the session header is enough) puts the break on the system text.
+        sub = project / "docs"
+        sub.mkdir()
+        r = run_claude(["-p", PROMPTS[0]], sub, env)
+        assert r.returncode == 0, f"second session: {r.stdout}{r.stderr}"
+        later = ledger(stack.db_url)[seen:]
+        main = max(later, key=lambda row: row.prompt_tokens)
+        assert main.session_id not in sessions
+        reason, missed = miss_of(stack.db_url, main.request_id)
+        assert reason == "system_changed", (reason, missed, main)
+        # The tools' blocks were shared and read: what was missed is the rest of what
+        # the first session's turn had cached, and this turn wrote it again.
+        assert 0 < missed <= main.buckets.cache_write_5m_tokens + main.buckets.cache_write_1h_tokens
+        assert main.buckets.cache_read_input_tokens > 0
+        out = subprocess.run(
+            [*ADMIN, "--db", stack.db_url, "sessions", main.session_id, "--org", DEMO_ORG, "--csv"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        assert f"system_changed; {missed} tokens $" in out.stdout
     finally:
         stack.stop()

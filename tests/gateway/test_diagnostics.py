@@ -285,3 +285,31 @@ def test_a_turn_after_one_too_short_to_cache_is_below_minimum_in_the_ledger(stac
     longer.append({"role": "user", "content": [cached("Tell me about kettles. " * 4)]})
     r2 = c.messages.create(messages=longer, **kw)
     assert _ledger(stack, r2._request_id) == ("below_minimum", 0)
+
+
+def test_a_sessions_first_turn_is_compared_with_the_keys_last_session_it_shares_with(stack):
+    """A new Claude Code session in the same project starts with the same tools and a
+    system text that names another working directory: the break is the system's."""
+    c = client(stack)
+
+    def first_turn(session: str, system: str):
+        return c.messages.create(
+            model=MODEL,
+            max_tokens=2,
+            system=system,
+            messages=[{"role": "user", "content": [cached(U1)]}],
+            extra_headers={"X-Claude-Code-Session-Id": session},
+            extra_body={"temperature": 0.0},
+        )
+
+    first_turn("aaaaaaaa-0000-4000-8000-000000000001", SYSTEM + "cwd: /home/dev/app")
+    k = len(SYSTEM) + len("cwd: /home/dev/")
+    again = first_turn("aaaaaaaa-0000-4000-8000-000000000002", SYSTEM + "cwd: /home/dev/lib")
+    p_prev = BOS + HEADER + n(SYSTEM + "cwd: /home/dev/app") + SEP + HEADER + n(U1) + SEP
+    assert _ledger(stack, again._request_id) == (
+        "system_changed",
+        p_prev - floor(BOS + HEADER + k),
+    )
+    # A session that shares not one block with anything before is not compared.
+    other = first_turn("aaaaaaaa-0000-4000-8000-000000000003", "Unrelated. " * 30)
+    assert _ledger(stack, other._request_id) == (None, None)

@@ -80,7 +80,7 @@ def test_the_sessions_command_names_each_break_and_what_it_cost(tmp_path, capsys
     ]
     assert admin(["--db", db, "sessions", "s1", "--org", "acme"]) == 0
     printed = capsys.readouterr().out
-    assert "5 turns" in printed and "2 wrote more than they appended" in printed
+    assert "5 turns" in printed and "2 broke the cache" in printed
     assert admin(["--db", db, "sessions", "nope", "--org", "acme"]) == 1
     assert "no billed requests of session 'nope'" in capsys.readouterr().err
 
@@ -100,3 +100,24 @@ def test_usage_groups_by_miss_reason(tmp_path, capsys):
     argv = ["--db", db, "usage", "--org", "acme", "--since", since, "--until", until]
     assert admin([*argv, "--group-by", "reason", "--total", "--csv"]) == 0
     assert capsys.readouterr().out.splitlines()[0].startswith("starting_at,miss_reason,")
+
+
+def test_a_sessions_first_turn_breaks_only_when_it_continues_another_sessions(tmp_path):
+    from cachepoint.gateway.db.models import UsageRecord as Row
+
+    def row(reason, missed):
+        return Row(
+            request_id="r",
+            model="m",
+            input_tokens=10,
+            cache_read_input_tokens=100,
+            cache_write_5m_tokens=900,
+            cache_write_1h_tokens=0,
+            output_tokens=1,
+            miss_reason=reason,
+            miss_tokens=missed,
+        )
+
+    assert not turns([row(None, None)], lambda m: PRICE)[0].broke
+    assert not turns([row("none", None)], lambda m: PRICE)[0].broke
+    assert turns([row("system_changed", 800)], lambda m: PRICE)[0].broke

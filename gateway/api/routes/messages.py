@@ -266,6 +266,7 @@ async def _diagnose(
             opted_in=opted_in,
             previous_id=previous,
             session_id=session_of(who.session_id, who.user_id),
+            api_key_id=ctx.key_id,
         )
     except Exception as exc:
         log.warning("request %s: cache diagnostics failed: %r", rid, exc)
