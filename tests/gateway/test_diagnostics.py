@@ -202,7 +202,13 @@ def test_the_beta_surface_parses_into_the_beta_types(stack):
         betas=["cache-diagnosis-2026-04-07"],
     )
     assert isinstance(r2.diagnostics.cache_miss_reason, BetaCacheMissSystemChanged)
-    assert r2.diagnostics.cache_miss_reason.cache_missed_input_tokens == P1 - floor(BOS + HEADER)
+    # This turn is shorter than the first one's cached prefix: it could have read no
+    # further than its own breakpoint (the end of its last message).
+    system = "Another system entirely."
+    end = BOS + HEADER + n(system) + SEP + HEADER + n(U1) + SEP + HEADER + n(A1) + SEP
+    end += HEADER + n(U2) + SEP
+    assert end < P1
+    assert r2.diagnostics.cache_miss_reason.cache_missed_input_tokens == end - floor(BOS + HEADER)
 
 
 def test_count_tokens_takes_a_diagnostics_field_and_ignores_it(stack):
