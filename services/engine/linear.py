@@ -27,7 +27,11 @@ from cachepoint.engine import cpu_kernels
 
 # NOTE: private (Inductor's CPU lowering calls it), so looked up once and optional.
 _ONEDNN = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
-_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+# NOTE: bfloat16 only where oneDNN has a bf16 inner product for this CPU (AVX512-BF16,
+# AMX, ...): on an AVX2-only CPU it cannot build the primitive and raises, so bf16 takes
+# F.linear there.
+_BF16_OK = bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)())
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16) if _BF16_OK else (torch.float32,)
 USE_ONEDNN = _ONEDNN is not None and torch.backends.mkldnn.is_available()
 
 # NOTE: oneDNN wins from about half a million weights up, at one row and within a
