@@ -378,14 +378,7 @@ def cmd_usage(s: Session, a: argparse.Namespace) -> None:
         q = parse_query(org.id, params, USAGE_GROUPS, WIDTHS)
     except ReportError as exc:
         raise TenantError(str(exc)) from exc
-    default = _default_price()
-    prices: dict[str, Price] = {}
-
-    def price_of(model: str) -> Price:
-        if model not in prices:
-            prices[model] = price_for(s, model, default)
-        return prices[model]
-
+    price_of = _prices(s)
     cols = [
         "starting_at",
         *groups,
@@ -439,14 +432,7 @@ def cmd_sessions(s: Session, a: argparse.Namespace) -> None:
     )
     if not rows:
         raise TenantError(f"no billed requests of session {a.session_id!r} in org {org.name!r}")
-    default = _default_price()
-    prices: dict[str, Price] = {}
-
-    def price_of(model: str) -> Price:
-        if model not in prices:
-            prices[model] = price_for(s, model, default)
-        return prices[model]
-
+    price_of = _prices(s)
     session_turns = turns(rows, price_of)
     cols = [
         "turn",
@@ -512,6 +498,19 @@ def _break(t: Turn) -> str:
         return "prompt unchanged: the entry was gone (expired or evicted)"
     tokens = f"; {t.missed} tokens ${usd(t.break_micros)}" if t.missed else ""
     return f"{t.reason}{tokens}"
+
+
+def _prices(s: Session) -> Callable[[str], Price]:
+    """A model's price (its row, else the gateway's defaults), each read once."""
+    default = _default_price()
+    prices: dict[str, Price] = {}
+
+    def price_of(model: str) -> Price:
+        if model not in prices:
+            prices[model] = price_for(s, model, default)
+        return prices[model]
+
+    return price_of
 
 
 def _default_price() -> Price:
