@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 import anyio
@@ -15,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from cachepoint.billing import Buckets
 from cachepoint.gateway.billing.ledger import Attribution, Charge
 from cachepoint.gateway.diagnostics import NO_DIVERGENCE, outcome_reason
+from cachepoint.gateway.fleet.routing import RouteRequest
 from cachepoint.gateway.observability.tracing import usage_attributes
 from cachepoint.gateway.pipeline import Prepared
 from cachepoint.gateway.schemas.messages import MessagesRequest
@@ -64,11 +65,16 @@ def charge_of(
     p: Prepared,
     b: Buckets,
     replica_started_s: float | None = None,
+    *,
+    now_s: float | None = None,
+    evicted_from: Callable[[int], str | None] | None = None,
 ) -> Charge:
     """The ledger row's charge. A turn compared with the one before whose prompt only
     appended, yet read less than that turn cached, gets the server's reason for it
     (`outcome_reason`: not retained, routed elsewhere, replica restarted, expired,
-    evicted) and the tokens it missed."""
+    evicted), the tokens it missed, and what the server knows beyond: the replica the
+    entry is on, or the tier an evicted entry was last in (``evicted_from``: the tier
+    of the block holding a token, when the replica's events removed it)."""
     who = p.who
     if p.previous is not None and who.miss_reason == NO_DIVERGENCE:
         read = b.cache_read_input_tokens
@@ -76,11 +82,18 @@ def charge_of(
             p.previous,
             replica=replica,
             read=read,
-            now_s=time.time(),
+            now_s=time.time() if now_s is None else now_s,
             replica_started_s=replica_started_s,
         )
         if why is not None:
-            who = replace(who, miss_reason=why, miss_tokens=p.previous.cached_end - read)
+            detail = None
+            if why == "routed_elsewhere":
+                detail = f"entry on {p.previous.replica}"
+            elif why == "entry_evicted" and evicted_from is not None:
+                tier = evicted_from(read)
+                detail = f"tier {tier}" if tier is not None else None
+            missed = p.previous.cached_end - read
+            who = replace(who, miss_reason=why, miss_tokens=missed, miss_detail=detail)
     return Charge(
         rid,
         ctx.org_id,
@@ -91,6 +104,28 @@ def charge_of(
         p.plan.scope,
         b,
         who,
+    )
+
+
+def charge_for(
+    state: GatewayState,
+    rid: str,
+    ctx: KeyContext,
+    req: MessagesRequest,
+    replica: str,
+    p: Prepared,
+    b: Buckets,
+) -> Charge:
+    """`charge_of` with what the gateway knows now: its clock, when the replica started,
+    and the tiers the replica's events removed blocks from."""
+
+    def evicted_from(token: int) -> str | None:
+        route = RouteRequest(p.rendered.tokens, p.plan.key_spans, req.model)
+        return state.router.evicted_from(replica, route, token)
+
+    started = state.router.started_s(replica)
+    return charge_of(
+        rid, ctx, req, replica, p, b, started, now_s=state.clock(), evicted_from=evicted_from
     )
 
 

@@ -24,12 +24,14 @@ import logging
 import re
 import threading
 import time
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
-from sqlalchemy import Connection, Engine, delete, insert, select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import Connection, Engine, delete, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from cachepoint.gateway.contract.fingerprint import (
     REASONS_WITH_TOKENS,
@@ -42,6 +44,8 @@ from cachepoint.gateway.contract.fingerprint import (
 from cachepoint.gateway.db.models import PromptFingerprint, UsageRecord
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T", bound=tuple[Any, ...])
 
 NOT_FOUND = {"type": "previous_message_not_found"}
 PRUNE_EVERY_S = 60.0  # expired fingerprints are deleted at most this often per gateway
@@ -163,57 +167,62 @@ def session_of(session_id: str | None, user_id: str | None) -> str | None:
     return m.group(1) if m else None
 
 
+@dataclass(slots=True)
+class Kept:
+    """A fingerprint this gateway keeps in memory: whose it is, and, once its ledger row
+    is written, what happened to its cache."""
+
+    message_id: str  # the response id a later turn names
+    org_id: str
+    workspace_id: str | None
+    session_id: str | None
+    api_key_id: str | None
+    created_s: int  # when it was kept, in epoch seconds: it expires retention_s later
+    fp: Fingerprint
+    billed: PreviousTurn | None = None  # set when its ledger row is written
+    stored: bool = False  # its row is in the database (written with its ledger row)
+
+    def owned_by(self, org_id: str, workspace_id: str | None) -> bool:
+        return self.org_id == org_id and self.workspace_id == workspace_id
+
+
+MEMORY_TURNS = 8192  # fingerprints one gateway keeps in memory (about 600 bytes each)
+
+
 class FingerprintStore:
-    """The ``prompt_fingerprints`` table: kept ``retention_s``, read only by their org
-    and workspace. Calls block on the database: run them in a worker thread."""
+    """Prompt fingerprints: the recent ones in this gateway's memory, every one in the
+    ``prompt_fingerprints`` table for ``retention_s``, read only by their org and
+    workspace.
+
+    NOTE: the request path reads memory (`diagnose_recent`), and the row is written
+    with the request's ledger row, in its transaction (`writer`, `billed`): measured,
+    a read and an insert of their own per request cost the gateway 3 ms (issue 33). The
+    database answers what memory cannot: a turn this gateway never saw (another
+    gateway's, or before a restart), in `diagnose`, which blocks (a worker thread).
+    """
 
     def __init__(
         self,
         engine: Engine,
         retention_s: int,
         clock: Callable[[], float] = time.time,
+        memory_turns: int = MEMORY_TURNS,
     ) -> None:
         self.engine = engine
         self.retention_s = retention_s
         self.clock = clock
+        self.memory_turns = memory_turns
         self._last_prune = 0.0
         self._lock = threading.Lock()
+        # message id -> Kept, oldest first
+        self._kept: OrderedDict[str, Kept] = OrderedDict()
+        # (org, workspace, session or key) -> its newest message ids, newest last
+        self._sessions: OrderedDict[tuple[str, str | None, str], deque[str]] = OrderedDict()
+        self._keys: OrderedDict[tuple[str, str | None, str], deque[str]] = OrderedDict()
 
-    def _scoped(self, org_id: str, workspace_id: str | None, now: int) -> list[Any]:
-        return [
-            PromptFingerprint.org_id == org_id,
-            PromptFingerprint.workspace_id.is_(None)
-            if workspace_id is None
-            else PromptFingerprint.workspace_id == workspace_id,
-            PromptFingerprint.created_s >= now - self.retention_s,
-        ]
+    # ------------------------------------------------------------------ memory
 
-    def record_and_diagnose(
-        self,
-        *,
-        message_id: str,
-        org_id: str,
-        workspace_id: str | None,
-        fp: Fingerprint,
-        opted_in: bool,
-        previous_id: str | None,
-        session_id: str | None = None,
-        api_key_id: str | None = None,
-    ) -> Diagnosed:
-        """`diagnose`, then `keep`: compare, then keep ``fp`` for the turns after."""
-        d = self.diagnose(
-            org_id=org_id,
-            workspace_id=workspace_id,
-            fp=fp,
-            opted_in=opted_in,
-            previous_id=previous_id,
-            session_id=session_id,
-            api_key_id=api_key_id,
-        )
-        self.keep(message_id, org_id, workspace_id, session_id, api_key_id, fp)
-        return d
-
-    def keep(
+    def remember(
         self,
         message_id: str,
         org_id: str,
@@ -222,15 +231,116 @@ class FingerprintStore:
         api_key_id: str | None,
         fp: Fingerprint,
     ) -> None:
-        """Keep ``fp`` under ``message_id`` for a later turn to be compared with (and
-        delete the expired ones, at most once a minute).
+        """Keep ``fp`` for the turns after (its row is written with its ledger row)."""
+        kept = Kept(message_id, org_id, workspace_id, session_id, api_key_id, int(self.clock()), fp)
+        with self._lock:
+            self._kept[message_id] = kept
+            if len(self._kept) > self.memory_turns:
+                self._kept.popitem(last=False)
+            if session_id is not None:
+                self._index(self._sessions, (org_id, workspace_id, session_id), message_id)
+            if api_key_id is not None:
+                self._index(self._keys, (org_id, workspace_id, api_key_id), message_id)
 
-        NOTE: on the request's path, in the same worker-thread hop as `diagnose`. Run
-        after it, in the background, it measured slower (bench/RESULTS.md, issue 33):
-        on SQLite it then contends with the ledger's write for the one writer."""
+    def _index(
+        self,
+        index: OrderedDict[tuple[str, str | None, str], deque[str]],
+        key: tuple[str, str | None, str],
+        message_id: str,
+    ) -> None:
+        ids = index.get(key)
+        if ids is None:
+            ids = index[key] = deque(maxlen=SESSION_CANDIDATES)
+            if len(index) > self.memory_turns:
+                index.popitem(last=False)
+        else:
+            index.move_to_end(key)
+        ids.append(message_id)
+
+    def _live(self, kept: Kept | None, now: int) -> Kept | None:
+        return kept if kept is not None and kept.created_s >= now - self.retention_s else None
+
+    def _turns(
+        self, index: OrderedDict[tuple[str, str | None, str], deque[str]], key: tuple, now: int
+    ) -> list[tuple[str, Fingerprint, PreviousTurn | None]] | None:
+        """``key``'s turns in memory, newest first; None when memory has none of them."""
+        ids = index.get(key)
+        if ids is None:
+            return None
+        turns = [k for m in reversed(ids) if (k := self._live(self._kept.get(m), now))]
+        return [(k.message_id, k.fp, k.billed) for k in turns] or None
+
+    def diagnose_recent(
+        self,
+        *,
+        org_id: str,
+        workspace_id: str | None,
+        fp: Fingerprint,
+        opted_in: bool,
+        previous_id: str | None,
+        session_id: str | None = None,
+        api_key_id: str | None = None,
+    ) -> Diagnosed | None:
+        """`diagnose` from memory alone, without blocking; None when the turn before
+        may be only in the database."""
         now = int(self.clock())
-        self._insert(message_id, org_id, workspace_id, session_id, api_key_id, fp, now)
-        self._maybe_prune(now)
+        with self._lock:
+            if opted_in and previous_id is not None:
+                kept = self._live(self._kept.get(previous_id), now)
+                if kept is None:
+                    return None
+                if not kept.owned_by(org_id, workspace_id):
+                    return diagnosed(None, fp, found=True)  # as if never kept: not found
+                return replace(diagnosed(kept.fp, fp, found=True), previous=kept.billed)
+            if session_id is None:
+                return NOT_COMPARED
+            turns = self._turns(self._sessions, (org_id, workspace_id, session_id), now)
+            if turns is None and api_key_id is not None:
+                turns = self._turns(self._keys, (org_id, workspace_id, api_key_id), now)
+                if turns is None:
+                    return None
+                turns = [t for t in turns if shared_blocks(t[1], fp) > 0]
+            if turns is None:
+                return None
+        if not turns:
+            return NOT_COMPARED
+        _, prev, billed = _closest(turns, fp)
+        return _continued(prev, fp, billed)
+
+    def writer(self, request_id: str) -> Callable[[Connection], None] | None:
+        """What writes ``request_id``'s fingerprint row in its ledger row's transaction
+        (`record_on`'s ``also``); None when it has none to write."""
+        with self._lock:
+            kept = self._kept.get("msg_" + request_id.removeprefix("req_"))
+        if kept is None or kept.stored:
+            return None
+        row = {
+            "message_id": kept.message_id,
+            "org_id": kept.org_id,
+            "workspace_id": kept.workspace_id,
+            "session_id": kept.session_id,
+            "api_key_id": kept.api_key_id,
+            "created_s": kept.created_s,
+            "data": kept.fp.encode(),
+        }
+
+        def write(conn: Connection) -> None:
+            conn.execute(_insert_new(conn), [row])
+
+        return write
+
+    def billed(self, request_id: str, *, replica: str, at_s: int, kept_tokens: int) -> None:
+        """``request_id``'s ledger row (and so its fingerprint's) is written: what its
+        cache entry should hold, where, and since when, for the turn after."""
+        with self._lock:
+            kept = self._kept.get("msg_" + request_id.removeprefix("req_"))
+            if kept is None:
+                return
+            kept.stored = True
+            fp = kept.fp
+            kept.billed = PreviousTurn(replica, at_s, fp.cached_ttl_s, fp.cached_end, kept_tokens)
+
+    # ------------------------------------------------------------------ database
 
     def diagnose(
         self,
@@ -243,10 +353,10 @@ class FingerprintStore:
         session_id: str | None = None,
         api_key_id: str | None = None,
     ) -> Diagnosed:
-        """Compare ``fp`` with the turn before: the one ``previous_id`` names
-        (``opted_in``), or else the turn of ``session_id`` it continues (most blocks in
-        common among the session's recent turns; for a session's first turn, among the
-        same key's recent turns that share a block)."""
+        """Compare ``fp`` with the turn before, from the database: the one
+        ``previous_id`` names (``opted_in``), or else the turn of ``session_id`` it
+        continues (most blocks in common among the session's recent turns; for a
+        session's first turn, among the same key's recent turns that share a block)."""
         now = int(self.clock())
         scoped = self._scoped(org_id, workspace_id, now)
         result = NOT_COMPARED
@@ -276,16 +386,32 @@ class FingerprintStore:
                         if shared_blocks(x[1], fp) > 0
                     ]
                 if turns:
-                    # NOTE: max() keeps the first of equals, and rows come newest first:
-                    # the most recent of the turns sharing the most. Claude Code's side
-                    # requests (titles, summaries) share a session, not a prompt.
-                    mid, prev = max(turns, key=lambda x: shared_blocks(x[1], fp))
-                    found = diagnosed(prev, fp, found=True)
-                    # NOTE: for the ledger only: a client that opted in with a null id
-                    # asked for a first turn's answer (null), whatever its session holds.
-                    billed = self._billed(conn, mid, prev)
-                    result = Diagnosed(None, found.reason, found.missed_tokens, billed)
+                    mid, prev = _closest(turns, fp)
+                    result = _continued(prev, fp, self._billed(conn, mid, prev))
         return result
+
+    def prune(self) -> None:
+        """Delete the expired rows, at most once a minute (a worker thread)."""
+        now = int(self.clock())
+        with self._lock:
+            if now - self._last_prune < PRUNE_EVERY_S:
+                return
+            self._last_prune = now
+        with self.engine.begin() as conn:
+            conn.execute(
+                delete(PromptFingerprint).where(
+                    PromptFingerprint.created_s < now - self.retention_s
+                )
+            )
+
+    def _scoped(self, org_id: str, workspace_id: str | None, now: int) -> list[Any]:
+        return [
+            PromptFingerprint.org_id == org_id,
+            PromptFingerprint.workspace_id.is_(None)
+            if workspace_id is None
+            else PromptFingerprint.workspace_id == workspace_id,
+            PromptFingerprint.created_s >= now - self.retention_s,
+        ]
 
     def _recent(
         self, conn: Connection, which: Any, scoped: list[Any]
@@ -328,45 +454,27 @@ class FingerprintStore:
             log.info("fingerprint %s unreadable: %s", message_id, exc)
             return None
 
-    def _insert(
-        self,
-        message_id: str,
-        org_id: str,
-        workspace_id: str | None,
-        session_id: str | None,
-        api_key_id: str | None,
-        fp: Fingerprint,
-        now: int,
-    ) -> None:
-        try:
-            with self.engine.begin() as conn:
-                conn.execute(
-                    insert(PromptFingerprint),
-                    [
-                        {
-                            "message_id": message_id,
-                            "org_id": org_id,
-                            "workspace_id": workspace_id,
-                            "session_id": session_id,
-                            "api_key_id": api_key_id,
-                            "created_s": now,
-                            "data": fp.encode(),
-                        }
-                    ],
-                )
-        except IntegrityError:
-            # NOTE: response ids are unique per request; a second row under one id can
-            # only be the same request again, and the first one stays.
-            log.info("fingerprint %s already kept", message_id)
 
-    def _maybe_prune(self, now: int) -> None:
-        with self._lock:
-            if now - self._last_prune < PRUNE_EVERY_S:
-                return
-            self._last_prune = now
-        with self.engine.begin() as conn:
-            conn.execute(
-                delete(PromptFingerprint).where(
-                    PromptFingerprint.created_s < now - self.retention_s
-                )
-            )
+def _closest(turns: list[T], fp: Fingerprint) -> T:
+    """Of ``turns`` (newest first, each with its fingerprint second), the one ``fp``
+    continues: the one it shares the most blocks with.
+
+    NOTE: max() keeps the first of equals, and turns come newest first: the most recent
+    of the turns sharing the most. Claude Code's side requests (titles, summaries)
+    share a session, not a prompt."""
+    return max(turns, key=lambda t: shared_blocks(t[1], fp))
+
+
+def _continued(prev: Fingerprint, fp: Fingerprint, billed: PreviousTurn | None) -> Diagnosed:
+    """The session path's outcome, for the ledger only: a client that opted in with a
+    null id asked for a first turn's answer (null), whatever its session holds."""
+    found = diagnosed(prev, fp, found=True)
+    return Diagnosed(None, found.reason, found.missed_tokens, billed)
+
+
+def _insert_new(conn: Connection) -> Any:
+    """An insert of a fingerprint row that keeps the first of two under one id (the
+    same request billed again cannot get here: its ledger row is refused first)."""
+    if conn.dialect.name == "postgresql":
+        return pg_insert(PromptFingerprint).on_conflict_do_nothing()
+    return sqlite_insert(PromptFingerprint).on_conflict_do_nothing()

@@ -12,7 +12,12 @@ from typing import Any
 
 from cachepoint.billing import BillingError, Buckets, buckets
 from cachepoint.gateway.billing.ledger import NO_ATTRIBUTION, Attribution
-from cachepoint.gateway.contract.breakpoints import CachePlan, ContractError, resolve
+from cachepoint.gateway.contract.breakpoints import (
+    SCOPE_BETA,
+    CachePlan,
+    ContractError,
+    resolve,
+)
 from cachepoint.gateway.contract.encoding import PromptTooLong
 from cachepoint.gateway.contract.fingerprint import (
     Fingerprint,
@@ -213,8 +218,10 @@ def prepare(
         fp = fingerprint(
             rendered,
             model=req.model,
-            # NOTE: the diagnostics beta itself opts in to nothing that changes a prompt.
-            params=params_hash(req, betas - {DIAGNOSIS_BETA}),
+            # NOTE: the diagnostics beta itself opts in to nothing that changes a prompt,
+            # and the scope beta only to a scope, which the fingerprint holds apart (a
+            # turn without it is scope_changed, not a changed parameter).
+            params=params_hash(req, betas - {DIAGNOSIS_BETA, SCOPE_BETA}),
             cached_end=last.position if last else 0,
             cached_ttl_s=TTL_SECONDS.get(last.ttl, 300) if last else 300,
             block_size=settings.block_size,

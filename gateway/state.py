@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 from opentelemetry import trace
 from sqlalchemy.orm import Session, sessionmaker
@@ -45,6 +46,9 @@ class GatewayState:
 
     # Models the live replicas report (set by the app from the directory).
     served_models: Callable[[], set[str]] = field(default_factory=lambda: set)
+    # wall-clock seconds for the ledger's timestamps and cache diagnostics' ages (tests
+    # move it to age a turn past its TTL)
+    clock: Callable[[], float] = time.time
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -61,7 +65,9 @@ class GatewayState:
         self.body_limits = BodyLimits(
             s.max_json_depth, s.max_messages, s.max_content_blocks, s.max_tools
         )
-        self.fingerprints = FingerprintStore(self.sessions.kw["bind"], s.diagnostics_retention_s)
+        self.fingerprints = FingerprintStore(
+            self.sessions.kw["bind"], s.diagnostics_retention_s, clock=lambda: self.clock()
+        )
 
     def models(self) -> list[str]:
         """Configured models plus whatever the live replicas say they serve."""
@@ -114,10 +120,18 @@ class GatewayState:
         requestlog.note_charge(charge)
         price = self.price(charge.model)
         bind = self.sessions.kw["bind"]
-        inserted = record_on(bind, charge, price)
+        now = self.clock()
+        prints = self.fingerprints
+        also = prints.writer(charge.request_id)
+        at = datetime.fromtimestamp(now, UTC)
+        inserted = record_on(bind, charge, price, now=at, also=also)
+        if also is not None:
+            prints.prune()
         if not inserted:
             return None
         b = charge.buckets
+        kept = b.cache_read_input_tokens + b.cache_write_5m_tokens + b.cache_write_1h_tokens
+        prints.billed(charge.request_id, replica=charge.replica, at_s=int(now), kept_tokens=kept)
         spent = b.input_tokens + b.cache_write_5m_tokens + b.cache_write_1h_tokens
         self.limiter.spend_input(charge.org_id, charge.api_key_id, spent)
         cost = cost_micros(charge.buckets, price)

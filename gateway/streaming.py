@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
-from cachepoint.gateway.accounting import bill, charge_of
+from cachepoint.gateway.accounting import bill, charge_for
 from cachepoint.gateway.billing.ledger import Charge
 from cachepoint.gateway.contract.context_edits import report
 from cachepoint.gateway.contract.toolcalls import Part, TextPart, ToolCallParser, offered
@@ -116,8 +116,7 @@ def _track_progress(job: StreamJob, cache: CacheReport, progress: _Progress) -> 
 
     def so_far() -> Charge:
         b = buckets_of(cache, progress.delivered, job.limits)
-        started = job.state.router.started_s(replica)
-        return charge_of(job.rid, job.ctx, job.body, replica, job.prepared, b, started)
+        return charge_for(job.state, job.rid, job.ctx, job.body, replica, job.prepared, b)
 
     claim.track(so_far)
 
@@ -218,8 +217,7 @@ async def _relay(job: StreamJob) -> AsyncIterator[bytes]:
             return False
         progress.billed = True
         b = buckets_of(cache, out_tokens, job.limits)
-        started = state.router.started_s(opened.replica.name)
-        row = charge_of(rid, job.ctx, job.body, opened.replica.name, job.prepared, b, started)
+        row = charge_for(state, rid, job.ctx, job.body, opened.replica.name, job.prepared, b)
         try:
             await bill(state, row, job.server)
         except Exception as exc:

@@ -26,6 +26,7 @@ from sqlalchemy.orm import Session
 
 from cachepoint.billing import Price
 from cachepoint.gateway.admin.safe_text import csv_text, visible
+from cachepoint.gateway.admin.session_png import PictureError, draw
 from cachepoint.gateway.admin.sessions import Turn, turns
 from cachepoint.gateway.billing.ledger import price_for
 from cachepoint.gateway.billing.reports import (
@@ -434,6 +435,12 @@ def cmd_sessions(s: Session, a: argparse.Namespace) -> None:
         raise TenantError(f"no billed requests of session {a.session_id!r} in org {org.name!r}")
     price_of = _prices(s)
     session_turns = turns(rows, price_of)
+    if a.png is not None:
+        try:
+            draw(session_turns, a.png, f"session {a.session_id} of {org.name}")
+        except (PictureError, OSError) as exc:
+            raise TenantError(f"--png {a.png}: {exc}") from None
+        _say(f"wrote {a.png}", err)  # on stderr: stdout may be --csv
     cols = [
         "turn",
         "request",
@@ -497,7 +504,8 @@ def _break(t: Turn) -> str:
         # the prompt only appended, so the turn before was not in the cache any more.
         return "prompt unchanged: the entry was gone (expired or evicted)"
     tokens = f"; {t.missed} tokens ${usd(t.break_micros)}" if t.missed else ""
-    return f"{t.reason}{tokens}"
+    detail = f" ({t.detail})" if t.detail else ""
+    return f"{t.reason}{detail}{tokens}"
 
 
 def _prices(s: Session) -> Callable[[str], Price]:
@@ -689,6 +697,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("session_id", metavar="SESSION_ID")
     c.add_argument("--org", required=True)
     c.add_argument("--csv", action="store_true", help="CSV on stdout instead of a table")
+    c.add_argument(
+        "--png",
+        type=Path,
+        metavar="FILE",
+        help="also draw the session's reads and writes per turn, breaks marked, as a PNG "
+        "(needs matplotlib)",
+    )
     return p
 
 

@@ -29,6 +29,7 @@ class Turn:
     written: int  # cache writes, 5m and 1h
     reason: str | None  # the ledger's miss_reason (None: not compared)
     missed: int | None  # its cache_missed_input_tokens
+    detail: str | None  # what the server knew beyond the reason (an evicted entry's tier)
     break_micros: int  # what writing ``missed`` tokens again cost over reading them
 
     @property
@@ -83,6 +84,7 @@ def turns(rows: Sequence[UsageRecord], price_of: Callable[[str], Price]) -> list
                 written=b.cache_write_5m_tokens + b.cache_write_1h_tokens,
                 reason=r.miss_reason,
                 missed=missed,
+                detail=r.miss_detail,
                 break_micros=break_cost(missed or 0, b, price),
             )
         )

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
 from fractions import Fraction
 from typing import Any
 
-from sqlalchemy import Engine, insert
+from sqlalchemy import Connection, Engine, insert
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -33,6 +34,9 @@ class Attribution:
     # cache_miss_reason type, "none" when the prompt only appended, None when not compared
     miss_reason: str | None = None
     miss_tokens: int | None = None  # its cache_missed_input_tokens, when it has them
+    # what happened to the entry, in a few words: "tier host" for an evicted entry's
+    # last tier, "entry on r0" for one routed elsewhere (None: nothing to add)
+    miss_detail: str | None = None
 
 
 NO_ATTRIBUTION = Attribution()
@@ -75,15 +79,26 @@ def record(session: Session, charge: Charge, price: Price, now: datetime | None 
     return True
 
 
-def record_on(engine: Engine, charge: Charge, price: Price) -> bool:
-    """`record` on a bare connection: the request path's version.
+def record_on(
+    engine: Engine,
+    charge: Charge,
+    price: Price,
+    *,
+    now: datetime | None = None,
+    also: Callable[[Connection], None] | None = None,
+) -> bool:
+    """`record` on a bare connection: the request path's version. ``also`` writes what
+    belongs with the row in the same transaction (the request's prompt fingerprint),
+    and only if the row is new.
 
     NOTE: a Session costs about 250 µs a commit on top of SQLite's own work; the
     ledger insert needs none of its unit-of-work machinery.
     """
     try:
         with engine.begin() as conn:
-            conn.execute(_INSERT, [_row(charge, price, None)])
+            conn.execute(_INSERT, [_row(charge, price, now)])
+            if also is not None:
+                also(conn)
     except IntegrityError:
         return False
     return True
@@ -113,6 +128,7 @@ def _row(charge: Charge, price: Price, now: datetime | None) -> dict[str, object
         "user_id": charge.who.user_id,
         "miss_reason": charge.who.miss_reason,
         "miss_tokens": charge.who.miss_tokens,
+        "miss_detail": charge.who.miss_detail,
     }
 
 
@@ -166,6 +182,7 @@ def charge_from_json(raw: str) -> Charge:
                 who["requested_model"],
                 _opt(who.get("miss_reason"), str),
                 _opt(who.get("miss_tokens"), int),
+                _opt(who.get("miss_detail"), str),
             ),
         )
     except (KeyError, TypeError, BillingError, json.JSONDecodeError) as exc:

@@ -119,6 +119,8 @@ class UsageRecord(Base):
     # type ("none": only appended; NULL: not compared) and the tokens it cost.
     miss_reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
     miss_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # what only the server knows of it: "tier host" (evicted), "entry on r0" (routed)
+    miss_detail: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class ModelAlias(Base):

@@ -24,17 +24,20 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from cachepoint.events import schema
 from cachepoint.gateway.fleet.trust import UrlPolicy
+from cachepoint.kvcore import BlockHash, BlockRemoved, Tier
 from cachepoint.routing import ReplicaView, tier_value
 
 log = logging.getLogger(__name__)
 
 _LOG_EVERY_S = 60.0  # one log line per replica and reason per minute at most
+GONE_BLOCKS = 65_536  # removed blocks remembered per replica (about 100 bytes each)
 
 
 @dataclass(slots=True)
@@ -54,6 +57,9 @@ class ReplicaState:
     healthy: bool = True  # False after a failed health check, until one passes or a restart
     draining: bool = False  # it said it is going away: no new requests, until a new epoch
     pending: list[schema.EventBatch] = field(default_factory=list)  # held during resync
+    # block hash -> the tier it last left, for blocks its events removed from every tier
+    # (newest last, at most GONE_BLOCKS): what cache diagnostics name for an eviction
+    gone: OrderedDict[BlockHash, Tier] = field(default_factory=OrderedDict)
 
     @property
     def name(self) -> str:
@@ -149,6 +155,7 @@ class ReplicaDirectory:
     def _new_epoch(self, st: ReplicaState, epoch: int) -> None:
         st.view.index.replace(())
         st.view.routed.clear()  # a new process holds nothing of what was sent to the old one
+        st.gone.clear()  # nor was anything it removed evicted: it restarted
         st.epoch = epoch
         st.last_seq = 0
         st.pending.clear()
@@ -263,6 +270,7 @@ class ReplicaDirectory:
     def _apply(self, st: ReplicaState, batch: schema.EventBatch) -> None:
         events = list(schema.to_kvcore(batch.events))
         st.view.index.apply_all(events)
+        self._note_gone(st, events)
         routed = st.view.routed
         if routed:
             for event in events:
@@ -274,6 +282,28 @@ class ReplicaDirectory:
         st.last_seq = batch.seq
         st.last_applied = self.clock()
         self.batches_applied += 1
+
+    @staticmethod
+    def _note_gone(st: ReplicaState, events: list[Any]) -> None:
+        """Remember the tier each block left last when no tier holds it any more.
+
+        NOTE: kept when the block is stored again: the turn that missed it recomputes
+        and stores it before it is billed, and its bill asks where it was evicted from."""
+        gone, index = st.gone, st.view.index
+        for event in events:
+            if isinstance(event, BlockRemoved):
+                for h in event.block_hashes:
+                    if index.tier_of(h) is None:
+                        gone[h] = event.tier
+                        gone.move_to_end(h)
+                while len(gone) > GONE_BLOCKS:
+                    gone.popitem(last=False)
+
+    def evicted_from(self, name: str, block_hash: BlockHash) -> Tier | None:
+        """The tier ``name``'s events last removed ``block_hash`` from when no tier held
+        it any more (None: never removed so, by this process, or forgotten)."""
+        st = self.replicas.get(name)
+        return st.gone.get(block_hash) if st is not None else None
 
     def begin_resync(self, name: str) -> None:
         """Mark a resync in flight (e.g. after reconnecting to NATS)."""

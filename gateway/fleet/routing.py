@@ -59,6 +59,10 @@ class Router(Protocol):
     def started_s(self, name: str) -> float | None:
         """When ``name``'s process started, in epoch seconds (None if unknown)."""
 
+    def evicted_from(self, name: str, req: RouteRequest, token: int) -> str | None:
+        """The tier ``name`` last held the block of ``req`` holding ``token`` in, when
+        its events say it was removed from every tier (None if unknown)."""
+
 
 def decide(router: Router, req: RouteRequest, *, tracer: Tracer, metrics: GatewayMetrics) -> Routed:
     """``router``'s choice for ``req``, in a ``route`` span and counted by outcome; its
@@ -171,3 +175,12 @@ class DirectoryRouter:
         st = self.directory.replicas.get(name)
         # NOTE: a replica's epoch is its start time in wall-clock nanoseconds.
         return st.epoch / 1e9 if st is not None and st.epoch else None
+
+    def evicted_from(self, name: str, req: RouteRequest, token: int) -> str | None:
+        end = (token // self.block_size + 1) * self.block_size
+        if end > len(req.tokens):
+            return None
+        spans = [KeySpan(start, tuple(keys)) for start, keys in req.key_spans]
+        hashes = hash_blocks(req.tokens[:end], self.block_size, spans)
+        tier = self.directory.evicted_from(name, hashes[-1])
+        return tier.value if tier is not None else None

@@ -149,6 +149,9 @@ class StaticRouter:
     def started_s(self, name: str) -> float | None:
         return None
 
+    def evicted_from(self, name: str, req: object, token: int) -> str | None:
+        return None
+
 
 @dataclass
 class Gateway:

@@ -245,3 +245,29 @@ def test_a_replica_on_another_block_size_is_named_once_and_still_routed(caplog) 
     with caplog.at_level(logging.WARNING):
         ReplicaDirectory(clock=clock, block_size=16).on_heartbeat(hb("r1"))
     assert not caplog.records
+
+
+def test_the_directory_remembers_the_tier_a_block_last_left():
+    """Cache diagnostics name the tier an evicted entry was last in: the tier the
+    replica's events last removed a block from, once no tier holds it."""
+    from cachepoint.kvcore import Tier
+
+    d = ReplicaDirectory()
+    d.on_heartbeat(hb())
+    assert not d.on_batch(batch(1, schema.Cleared(), stored(H[0], H[1], H[2])))
+    # H[0] is demoted to the host tier, then dropped from it; H[1] is dropped at once.
+    demoted = [schema.Removed([H[0]]), schema.Stored([H[0]], None, Tier.HOST)]
+    assert not d.on_batch(batch(2, *demoted, schema.Removed([H[1]])))
+    assert d.evicted_from("r0", H[0]) is None  # still held, in the host tier
+    assert d.evicted_from("r0", H[1]) == Tier.DEVICE
+    assert not d.on_batch(batch(3, schema.Removed([H[0]], Tier.HOST)))
+    assert d.evicted_from("r0", H[0]) == Tier.HOST
+    assert d.evicted_from("r0", H[2]) is None  # never removed
+    assert d.evicted_from("r9", H[0]) is None  # an unknown replica
+    # Stored again (the turn that missed it recomputes it before its bill asks): still
+    # the tier it was evicted from.
+    assert not d.on_batch(batch(4, stored(H[1])))
+    assert d.evicted_from("r0", H[1]) == Tier.DEVICE
+    # A new process removed nothing it held: a restart is not an eviction.
+    d.on_heartbeat(hb(epoch=2))
+    assert d.evicted_from("r0", H[0]) is None

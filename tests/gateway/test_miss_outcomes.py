@@ -59,6 +59,7 @@ def test_the_ledger_gets_the_outcome_only_when_the_prompt_only_appended():
     appended = replace(p, who=Attribution(miss_reason="none"), previous=PREV)
     charge = charge_of("req_1", ctx, body, "r1", appended, b)
     assert (charge.who.miss_reason, charge.who.miss_tokens) == ("routed_elsewhere", 512)
+    assert charge.who.miss_detail == "entry on r0"
     # A prompt change keeps its own reason: the outcome would only follow from it.
     changed = replace(p, who=Attribution(miss_reason="system_changed", miss_tokens=500))
     changed = replace(changed, previous=PREV)
@@ -67,3 +68,28 @@ def test_the_ledger_gets_the_outcome_only_when_the_prompt_only_appended():
     # Read it all: "none" stays.
     full = buckets(600, 512, 88, 0, 4)
     assert charge_of("req_1", ctx, body, "r0", appended, full).who.miss_reason == "none"
+
+
+def test_an_evicted_entry_names_the_tier_its_first_missed_block_was_last_in():
+    body, ctx, p = _prepared()
+    appended = replace(p, who=Attribution(miss_reason="none"), previous=PREV)
+    asked = []
+
+    def evicted_from(token):
+        asked.append(token)
+        return "host"
+
+    b = buckets(600, 256, 344, 0, 4)  # read 256 of the 512: the block at 256 was gone
+    kw = {"now_s": 1_100.0, "evicted_from": evicted_from}
+    charge = charge_of("req_1", ctx, body, "r0", appended, b, None, **kw)
+    assert (charge.who.miss_reason, charge.who.miss_tokens) == ("entry_evicted", 256)
+    assert (charge.who.miss_detail, asked) == ("tier host", [256])
+    # Unknown (no events, say): the reason stands alone.
+    kw = {"now_s": 1_100.0, "evicted_from": lambda token: None}
+    charge = charge_of("req_1", ctx, body, "r0", appended, b, None, **kw)
+    assert (charge.who.miss_reason, charge.who.miss_detail) == ("entry_evicted", None)
+    # Expired is expired, whatever the tier.
+    charge = charge_of(
+        "req_1", ctx, body, "r0", appended, b, None, now_s=1_400.0, **{"evicted_from": evicted_from}
+    )
+    assert (charge.who.miss_reason, charge.who.miss_detail) == ("entry_expired", None)

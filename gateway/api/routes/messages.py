@@ -15,7 +15,7 @@ from opentelemetry import trace
 from starlette.concurrency import run_in_threadpool
 
 from cachepoint.gateway import streaming
-from cachepoint.gateway.accounting import attribution_of, bill, charge_of
+from cachepoint.gateway.accounting import attribution_of, bill, charge_for
 from cachepoint.gateway.api.deps import BetasDep, MessageCallerDep, RequestIdDep, StateDep
 from cachepoint.gateway.api.limits import CountLimitDep, RateLimitDep
 from cachepoint.gateway.api.openapi import request_body
@@ -248,30 +248,43 @@ async def create_message(
 async def _diagnose(
     state: GatewayState, ctx: KeyContext, rid: str, body: MessagesRequest, prepared: Prepared
 ) -> Prepared:
-    """Keep the fingerprint and compare it with the turn before (a worker thread: it
-    reads and writes the database): the answer for a client that opted in, the reason
-    for the ledger, the trace and the metric. Diagnostics never fails a request: an
-    error here answers ``unavailable``, as Anthropic's does when it has no diagnosis."""
-    assert prepared.fingerprint is not None
+    """Compare the fingerprint with the turn before, and keep it for the turns after:
+    the answer for a client that opted in, the reason for the ledger, the trace and the
+    metric. Memory answers most turns; the database (a worker thread) the turns this
+    gateway did not see. Diagnostics never fails a request: an error here answers
+    ``unavailable``, as Anthropic's does when it has no diagnosis."""
+    fp = prepared.fingerprint
+    assert fp is not None
+    prints = state.fingerprints
     opted_in = diagnostics_requested(body)
-    previous = body.diagnostics.previous_message_id if body.diagnostics else None
     who = prepared.who
+    ask = {
+        "org_id": ctx.org_id,
+        "workspace_id": ctx.workspace_id,
+        "fp": fp,
+        "opted_in": opted_in,
+        "previous_id": body.diagnostics.previous_message_id if body.diagnostics else None,
+        "session_id": session_of(who.session_id, who.user_id),
+        "api_key_id": ctx.key_id,
+    }
     try:
-        d = await run_in_threadpool(
-            state.fingerprints.record_and_diagnose,
-            message_id=f"msg_{rid.removeprefix('req_')}",
-            org_id=ctx.org_id,
-            workspace_id=ctx.workspace_id,
-            fp=prepared.fingerprint,
-            opted_in=opted_in,
-            previous_id=previous,
-            session_id=session_of(who.session_id, who.user_id),
-            api_key_id=ctx.key_id,
-        )
+        d = prints.diagnose_recent(**ask)
+        if d is None:
+            d = await run_in_threadpool(lambda: prints.diagnose(**ask))
     except Exception as exc:
         log.warning("request %s: cache diagnostics failed: %r", rid, exc)
         unavailable = {"cache_miss_reason": {"type": "unavailable"}}
-        d = Diagnosed(unavailable if opted_in and previous else None, "unavailable", None)
+        d = Diagnosed(unavailable if ask["previous_id"] else None, "unavailable", None)
+    # NOTE: kept after the comparison (a turn is never compared with itself); its row
+    # is written with its ledger row (GatewayState.bill).
+    prints.remember(
+        f"msg_{rid.removeprefix('req_')}",
+        ctx.org_id,
+        ctx.workspace_id,
+        ask["session_id"],
+        ctx.key_id,
+        fp,
+    )
     # NOTE: the reason is final at billing (`charge_of`), where what happened to the
     # cache is known; it is counted and traced there.
     who = replace(who, miss_reason=d.reason, miss_tokens=d.missed_tokens)
@@ -310,8 +323,7 @@ async def _complete(
         return _client_gone(state, rid, "while queued or prefilling")
     b = buckets_of(gen.cache, gen.output_tokens, limits)
     # NOTE: billed before the response leaves; the request id makes a retry a no-op.
-    started = state.router.started_s(gen.replica)
-    await bill(state, charge_of(rid, ctx, body, gen.replica, prepared, b, started))
+    await bill(state, charge_for(state, rid, ctx, body, gen.replica, prepared, b))
     if result is None:
         return _client_gone(state, rid, f"after {gen.output_tokens} output tokens")
     headers = {SCOPE_HEADER: prepared.plan.scope, REPLICA_HEADER: gen.replica}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -14,6 +14,7 @@ from fastapi import FastAPI
 
 from cachepoint.engine import Engine, EngineConfig
 from cachepoint.engine.device import resolve_device, resolve_dtype
+from cachepoint.kvcore import monotonic_clock
 from cachepoint.replica import watchdog
 from cachepoint.replica.api.errors import install_error_handlers
 from cachepoint.replica.api.routes import drain, generate, health, stats
@@ -101,12 +102,14 @@ def create_app(
     *,
     sink: EventSink | None = None,
     telemetry: Telemetry | None = None,
+    clock: Callable[[], float] | None = None,
 ) -> FastAPI:
     """The app starts its scheduler on startup and stops it on shutdown; it drains on
     ``POST /v1/drain`` and, served by ``cachepoint.runtime.serve``, on SIGTERM (draining.py).
 
     Pass ``engine`` to share one across apps in tests; otherwise it is built from the
-    settings (and closed on shutdown, which stops any TP workers).
+    settings (and closed on shutdown, which stops any TP workers). ``clock`` (torch
+    engine, tests) is the monotonic clock TTLs run on: a test moves it to expire them.
     """
 
     tel = telemetry or configure(
@@ -133,7 +136,13 @@ def create_app(
                         else engine
                     )
                     assert eng is not None
-                    scheduler = TorchCore(eng, settings, sink=sink, engine_thread=thread)
+                    scheduler = TorchCore(
+                        eng,
+                        settings,
+                        sink=sink,
+                        engine_thread=thread,
+                        clock=clock or monotonic_clock,
+                    )
                 except BaseException:
                     thread.shutdown(wait=False)
                     raise
