@@ -276,3 +276,32 @@ def _org_of(stack: Stack, who: str) -> str:
     engine.dispose()
     assert ctx is not None
     return ctx.org_id
+
+
+def test_another_served_model_is_model_changed(serve, seeded_db):
+    """Two replicas serving two models: the same conversation sent to the other model
+    shares nothing with the turn before (another model, another KV)."""
+    from anthropic.types import CacheMissModelChanged
+
+    db, keys = seeded_db
+    urls = [
+        serve(create_replica_app(ReplicaSettings(name=f"m{i}", model_name=m), tiny()))
+        for i, m in enumerate((MODEL, "cachepoint-tiny-2"))
+    ]
+    app = create_app(GatewaySettings(database_url=db, replica_urls=urls, min_cacheable_tokens=64))
+    url = serve(app)
+    wait_for(lambda: len({v.name for v in app.state.directory.views() if v.live}) == 2, "live")
+    c = anthropic.Anthropic(base_url=url, api_key=keys["a"], max_retries=0)
+    kw = {"max_tokens": 2, "system": SYSTEM, "extra_body": {"temperature": 0.0}}
+    first = c.messages.create(model=MODEL, messages=TURN1, diagnostics=OPT_IN, **kw)
+    second = c.messages.create(
+        model="cachepoint-tiny-2",
+        messages=TURN2,
+        diagnostics={"previous_message_id": first.id},
+        **kw,
+    )
+    reason = second.diagnostics.cache_miss_reason
+    assert isinstance(reason, CacheMissModelChanged)
+    # Nothing is shared across models: all the turn before cached was missed.
+    assert reason.cache_missed_input_tokens == first.usage.cache_creation_input_tokens
+    assert second.usage.cache_read_input_tokens == 0
