@@ -11,7 +11,7 @@ from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
 
 from cachepoint.gateway.api import errors, openapi
 from cachepoint.gateway.api.middleware import RequestIdMiddleware
-from cachepoint.gateway.api.routes import admin, health, messages, models, reports
+from cachepoint.gateway.api.routes import admin, health, messages, models, openai, reports
 from cachepoint.gateway.contract.template import build_renderer, checkpoint_context_window
 from cachepoint.gateway.db.migrate import upgrade
 from cachepoint.gateway.db.session import make_engine, make_sessionmaker
@@ -120,7 +120,7 @@ def create_app(
     )
     errors.install(app)
     openapi.install(app)
-    for module in (messages, models, reports, admin, health):
+    for module in (messages, openai, models, reports, admin, health):
         app.include_router(module.router)
     app.add_middleware(
         RequestIdMiddleware,

@@ -84,7 +84,10 @@ class PreviousTurn:
     what its cache entry should hold, where it lived, and until when."""
 
     replica: str  # the replica that served it
-    at_s: int  # when it was billed: its entry's last refresh, in epoch seconds
+    # when it was billed (its entry's last refresh), in epoch seconds: exact from this
+    # gateway's memory; from the ledger, whose times are whole seconds, the end of that
+    # second (a restart is not claimed for a replica that may have started before it)
+    at_s: float
     ttl_s: int  # its last breakpoint's TTL
     cached_end: int  # its last breakpoint: what a turn appending to it should read
     kept: int  # of it, what it read or wrote (its entries): less means not retained
@@ -329,7 +332,7 @@ class FingerprintStore:
 
         return write
 
-    def billed(self, request_id: str, *, replica: str, at_s: int, kept_tokens: int) -> None:
+    def billed(self, request_id: str, *, replica: str, at_s: float, kept_tokens: int) -> None:
         """``request_id``'s ledger row (and so its fingerprint's) is written: what its
         cache entry should hold, where, and since when, for the turn after."""
         with self._lock:
@@ -441,7 +444,8 @@ class FingerprintStore:
         if row is None:
             return None
         replica, at_s, read, w5, w1 = row
-        return PreviousTurn(replica, at_s, fp.cached_ttl_s, fp.cached_end, read + w5 + w1)
+        kept = read + w5 + w1
+        return PreviousTurn(replica, at_s + 1.0, fp.cached_ttl_s, fp.cached_end, kept)
 
     @staticmethod
     def _decode(data: bytes | None, message_id: str) -> Fingerprint | None:

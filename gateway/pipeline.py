@@ -7,13 +7,16 @@ and the ledger.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cachepoint.billing import BillingError, Buckets, buckets
 from cachepoint.gateway.billing.ledger import NO_ATTRIBUTION, Attribution
 from cachepoint.gateway.contract.breakpoints import (
     SCOPE_BETA,
+    Breakpoint,
     CachePlan,
     ContractError,
     resolve,
@@ -41,6 +44,7 @@ from cachepoint.gateway.schemas.messages import (
 )
 from cachepoint.gateway.settings import GatewaySettings
 from cachepoint.gateway.tenancy.tenants import KeyContext
+from cachepoint.kvcore import MAX_LOOKBACK_BOUNDARIES
 from cachepoint.protocol import BreakpointIn, CacheReport, GenerateRequest, KeySpanIn
 
 
@@ -60,6 +64,9 @@ class Prepared:
     diagnosis: dict[str, Any] | None = None
     # the turn it was compared with, as the ledger billed it: what happened to its cache
     previous: PreviousTurn | None = None
+    # what another API's request asked beyond its Messages form (OpenAI's sampling
+    # and caching contract); MESSAGES for the Messages API
+    options: ApiOptions = field(default_factory=lambda: MESSAGES)
 
 
 def tenant_key(ctx: KeyContext, settings: GatewaySettings) -> str:
@@ -164,6 +171,27 @@ def output_room(prompt_tokens: int, max_tokens: int, window: int, clamp: bool) -
     )
 
 
+@dataclass(frozen=True, slots=True)
+class ApiOptions:
+    """What a request on another API (OpenAI's) asks beyond the Messages request it
+    becomes: sampling outside Anthropic's ranges, and OpenAI's caching contract."""
+
+    temperature: float | None = None  # 0-2, for the payload (None: the request's own)
+    seed: int | None = None  # the replica samples with it
+    top_k: int | None = None  # vLLM's extension on OpenAI's API (-1 or 0: off)
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says
+    clamp: bool | None = None  # lower max_tokens to what the window leaves (None: the setting)
+    # OpenAI's automatic caching: a prompt of at least this many tokens has what the
+    # engine reused of it (whole blocks) billed as cached reads, and nothing as writes
+    implicit_min: int | None = None
+    # OpenAI's prompt_cache_retention "24h": such a prompt is also kept as a 24h entry
+    # (kvcore retention), its write billed in the long-write bucket
+    retain_24h: bool = False
+
+
+MESSAGES = ApiOptions()
+
+
 def prepare(
     req: MessagesRequest,
     *,
@@ -173,44 +201,15 @@ def prepare(
     renderer: Renderer,
     request_id: str,
     who: Attribution = NO_ATTRIBUTION,
+    options: ApiOptions = MESSAGES,
 ) -> Prepared:
     check_thinking(req, betas)
     rendered, forced = render_prompt(req, renderer, count_limit(settings, req.model))
-    n = len(rendered)
-    profile = profile_of(settings, req.model)
-    max_tokens = output_room(n, req.max_tokens, profile.context_window, settings.clamp_max_tokens)
-    plan = plan_cache(rendered, req, ctx, betas, settings)
-    # NOTE: built unvalidated (model_construct): the replica validates what it is sent
-    # and answers what breaks its limits (a 400 the client sees, as before the types),
-    # and validating a long prompt's token list here would cost as much as encoding it.
-    payload = GenerateRequest.model_construct(
-        request_id=request_id,
-        token_ids=rendered.tokens.tolist(),
-        key_spans=[
-            KeySpanIn.model_construct(start_block=s, extra_keys=list(k)) for s, k in plan.key_spans
-        ],
-        breakpoints=[
-            BreakpointIn.model_construct(
-                position=bp.position,
-                ttl=bp.ttl,
-                extra_keys=list(bp.extra_keys),
-                boundaries=list(bp.boundaries),
-            )
-            for bp in plan.breakpoints
-        ],
-        max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=req.top_p or 1.0,
-        top_k=req.top_k or 0,
-        stop_sequences=(req.stop_sequences or []) + ([forced.stop] if forced.stop else []),
-        stop_token_ids=list(profile.stop_token_ids),
-        # NOTE: retention is charged to the org whatever the cache key (global scope,
-        # tenant_scope=workspace): the quota is the org's (docs/gateway.md, Tenancy).
-        retention_owner=f"org:{ctx.org_id}",
-        owner_retained_share=ctx.retained_share,
-        # NOTE: the gateway reads every generation as the replica's event stream, even
-        # one the client wants whole (dispatch.py): so that a hang-up can stop it.
-        stream=True,
+    plan = _retained(plan_cache(rendered, req, ctx, betas, settings), rendered, options)
+    stops = (req.stop_sequences or []) + ([forced.stop] if forced.stop else [])
+    sampling = (req.temperature, req.top_p, req.top_k, stops)
+    payload = _payload(
+        rendered, plan, req.model, req.max_tokens, sampling, ctx, settings, request_id, options
     )
     fp = None
     if diagnostics_requested(req) or session_of(who.session_id, who.user_id):
@@ -229,7 +228,119 @@ def prepare(
             scope=plan.scope,
             below_minimum=bool(plan.dropped_below_minimum),
         )
-    return Prepared(rendered, plan, payload, forced, who, degraded_headers(req), fp)
+    degraded = degraded_headers(req)
+    return Prepared(rendered, plan, payload, forced, who, degraded, fp, options=options)
+
+
+@dataclass(frozen=True, slots=True)
+class RawPrompt:
+    """A prompt given as tokens (the legacy completions endpoint): what planning reads."""
+
+    model: str
+    cache_control: None = None  # no markers: OpenAI's caching is automatic
+
+
+def prepare_tokens(
+    tokens: Sequence[int],
+    *,
+    model: str,
+    max_tokens: int,
+    sampling: tuple[float | None, float | None, int | None, list[str]],
+    ctx: KeyContext,
+    settings: GatewaySettings,
+    request_id: str,
+    who: Attribution,
+    options: ApiOptions,
+) -> Prepared:
+    """`prepare` for a prompt that is already tokens: no template, no blocks, no tools.
+    ``sampling``: (temperature, top_p, top_k, stop sequences)."""
+    rendered = RenderedPrompt(array("i", tokens), ())
+    limit = count_limit(settings, model)
+    if len(rendered) > limit:
+        raise invalid(
+            f"prompt is too long: {len(rendered)} tokens > {limit // COUNT_LIMIT_WINDOWS} maximum",
+            param="prompt",
+        )
+    plan = _retained(
+        plan_cache(rendered, RawPrompt(model), ctx, set(), settings), rendered, options
+    )
+    payload = _payload(
+        rendered, plan, model, max_tokens, sampling, ctx, settings, request_id, options
+    )
+    return Prepared(rendered, plan, payload, NO_FORCING, who, options=options)
+
+
+def _retained(plan: CachePlan, rendered: RenderedPrompt, options: ApiOptions) -> CachePlan:
+    """OpenAI's ``"24h"`` retention: the whole prompt as one entry kept 24 hours in the
+    org's keys (a prompt of at least the minimum), looking back on its block ends for
+    the entry an earlier, shorter prompt kept."""
+    n = len(rendered)
+    if not options.retain_24h or options.implicit_min is None or n < options.implicit_min:
+        return plan
+    ends = sorted({s.end for s in rendered.blocks if 0 < s.end < n}, reverse=True)
+    bp = Breakpoint(
+        path="prompt",
+        position=n,
+        ttl="24h",
+        scope="org",
+        extra_keys=plan.key_spans[-1][1],
+        boundaries=tuple(ends[: MAX_LOOKBACK_BOUNDARIES - 1]),
+    )
+    return replace(plan, breakpoints=(*plan.breakpoints, bp))
+
+
+def _payload(
+    rendered: RenderedPrompt,
+    plan: CachePlan,
+    model: str,
+    max_tokens: int,
+    sampling: tuple[float | None, float | None, int | None, list[str]],
+    ctx: KeyContext,
+    settings: GatewaySettings,
+    request_id: str,
+    options: ApiOptions,
+) -> GenerateRequest:
+    """The replica's generate request for a rendered and planned prompt."""
+    temperature, top_p, top_k, stops = sampling
+    if options.temperature is not None:
+        temperature = options.temperature
+    profile = profile_of(settings, model)
+    clamp = settings.clamp_max_tokens if options.clamp is None else options.clamp
+    room = output_room(len(rendered), max_tokens, profile.context_window, clamp)
+    # NOTE: built unvalidated (model_construct): the replica validates what it is sent
+    # and answers what breaks its limits (a 400 the client sees, as before the types),
+    # and validating a long prompt's token list here would cost as much as encoding it.
+    return GenerateRequest.model_construct(
+        request_id=request_id,
+        token_ids=rendered.tokens.tolist(),
+        key_spans=[
+            KeySpanIn.model_construct(start_block=s, extra_keys=list(k)) for s, k in plan.key_spans
+        ],
+        breakpoints=[
+            BreakpointIn.model_construct(
+                position=bp.position,
+                ttl=bp.ttl,
+                extra_keys=list(bp.extra_keys),
+                boundaries=list(bp.boundaries),
+            )
+            for bp in plan.breakpoints
+        ],
+        max_tokens=room,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=top_p or 1.0,
+        top_k=max(0, options.top_k) if options.top_k is not None else (top_k or 0),
+        stop_sequences=stops,
+        stop_token_ids=list(profile.stop_token_ids),
+        seed=options.seed,
+        ignore_eos=options.ignore_eos,
+        # NOTE: retention is charged to the org whatever the cache key (global scope,
+        # tenant_scope=workspace): the quota is the org's (docs/gateway.md, Tenancy).
+        retention_owner=f"org:{ctx.org_id}",
+        owner_retained_share=ctx.retained_share,
+        # NOTE: the gateway reads every generation as the replica's event stream, even
+        # one the client wants whole (dispatch.py): so that a hang-up can stop it.
+        stream=True,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,10 +349,14 @@ class ReportLimits:
 
     prompt_tokens: int  # the rendered prompt's length: the report must say exactly this
     max_tokens: int  # no more output tokens than this may be billed
+    # OpenAI's automatic caching (ApiOptions.implicit_min): engine hits of a prompt this
+    # long are billed as reads, and nothing as writes; None: the Messages contract
+    implicit_min: int | None = None
 
     @classmethod
     def of(cls, prepared: Prepared) -> ReportLimits:
-        return cls(len(prepared.rendered), prepared.payload.max_tokens)
+        implicit = prepared.options.implicit_min
+        return cls(len(prepared.rendered), prepared.payload.max_tokens, implicit)
 
 
 def check_output(output_tokens: int, limits: ReportLimits) -> int:
@@ -259,6 +374,15 @@ def buckets_of(cache: CacheReport, output_tokens: int, limits: ReportLimits) -> 
     of its event saw to: cachepoint.protocol.decode_event.)"""
     prompt, read = cache.prompt_tokens, cache.entry_hit_tokens
     w5, w1 = cache.written_5m_tokens, cache.written_1h_tokens
+    if limits.implicit_min is not None:
+        # NOTE: OpenAI's contract: what the engine reused (whole blocks, in the org's
+        # keys) is the cached part, for a prompt of at least the minimum; the rest is
+        # input, with no write surcharge.
+        read = cache.engine_hit_tokens if prompt >= limits.implicit_min else 0
+        # A 24h entry's write is what it retains beyond what was reused, at the long
+        # write's price; without one (in_memory) nothing is written.
+        kept = cache.entry_hit_tokens + w1 if w1 else 0
+        w5, w1 = 0, max(0, kept - read)
     if prompt != limits.prompt_tokens:
         raise UsageReportError(f"prompt_tokens {prompt} for a {limits.prompt_tokens}-token prompt")
     check_output(output_tokens, limits)

@@ -220,6 +220,15 @@ class GatewaySettings(BaseSettings):
         default_factory=lambda: ["context-1m-2025-08-07", "interleaved-thinking-2025-05-14"],
         description="betas that change the KV or the cache key",
     )
+    openai_min_cached_tokens: int = Field(
+        1024,
+        ge=1,
+        description=(
+            "OpenAI-compatible endpoints: a prompt this long or longer has what the engine "
+            "reused of it reported as cached_tokens and billed at the cached-input price "
+            "(OpenAI's automatic caching); a shorter one is billed all as input"
+        ),
+    )
     diagnostics_retention_s: int = Field(
         7200,
         ge=60,

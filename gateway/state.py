@@ -131,7 +131,7 @@ class GatewayState:
             return None
         b = charge.buckets
         kept = b.cache_read_input_tokens + b.cache_write_5m_tokens + b.cache_write_1h_tokens
-        prints.billed(charge.request_id, replica=charge.replica, at_s=int(now), kept_tokens=kept)
+        prints.billed(charge.request_id, replica=charge.replica, at_s=now, kept_tokens=kept)
         spent = b.input_tokens + b.cache_write_5m_tokens + b.cache_write_1h_tokens
         self.limiter.spend_input(charge.org_id, charge.api_key_id, spent)
         cost = cost_micros(charge.buckets, price)

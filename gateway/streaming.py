@@ -9,13 +9,14 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 from fastapi.responses import StreamingResponse
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
+from cachepoint.billing import Buckets
 from cachepoint.gateway.accounting import bill, charge_for
 from cachepoint.gateway.billing.ledger import Charge
 from cachepoint.gateway.contract.context_edits import report
@@ -53,6 +54,9 @@ class StreamJob:
     t_open: float  # perf_counter when the upstream was opened
     claim: Claim | None  # the idempotency key held, if the client sent one
     server: Span = field(default_factory=trace.get_current_span)  # the request's span
+    # how the stream is written: Anthropic's events (None), or another API's (OpenAI's
+    # chunks, gateway/streaming_openai.py)
+    emitter: Emitter | None = None
 
 
 @dataclass(slots=True)
@@ -63,13 +67,72 @@ class _Progress:
     charged: bool = False  # the full charge is written: the key keeps this stream
 
 
-@dataclass(slots=True)
-class _Blocks:
-    """Content blocks as SSE events: text deltas and tool calls, indexes in order."""
+class Emitter(Protocol):
+    """How a stream is written, event by event: the relay (billing, tool-call parsing,
+    progress, errors) is the same for every API."""
 
+    ping: bytes  # what keeps an idle stream open
+    tool_calls: int  # tool calls sent so far
+
+    def opening(self, start: Buckets) -> list[bytes]:
+        """What goes out once the prefill is done (``start``: its input buckets)."""
+        ...
+
+    def part(self, part: Part) -> list[bytes]:
+        """Text, or a whole tool call."""
+        ...
+
+    def close(self) -> list[bytes]:
+        """Close what is open, before the end."""
+        ...
+
+    def closing(
+        self, stop_reason: str | None, stop_sequence: str | None, b: Buckets
+    ) -> list[bytes]:
+        """The end: the stop reason and the billed usage."""
+        ...
+
+    def error(self, kind: str, message: str) -> bytes:
+        """An error after the stream started."""
+        ...
+
+
+@dataclass(slots=True)
+class AnthropicEvents:
+    """The Messages API's events: message_start, content blocks (text deltas and tool
+    calls, indexes in order), message_delta with the usage, message_stop."""
+
+    job: StreamJob  # the stream's request
+    tools: bool  # tools were offered: blocks open as the parser finds text or calls
+    ping: bytes = b""  # set in __post_init__
     index: int = -1  # the index of the last block started
     text_open: bool = False  # the block at ``index`` is a text block still open
-    tool_uses: int = 0  # tool_use blocks sent
+    tool_calls: int = 0  # tool_use blocks sent
+
+    def __post_init__(self) -> None:
+        self.ping = PING
+
+    def opening(self, start: Buckets) -> list[bytes]:
+        job = self.job
+        message: dict[str, Any] = {
+            "id": f"msg_{job.rid.removeprefix('req_')}",
+            "type": "message",
+            "role": "assistant",
+            "content": [],
+            "model": job.body.model,
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": usage_of(start).model_dump(),
+        }
+        if diagnostics_requested(job.body):
+            # NOTE: Anthropic sends diagnostics on message_start only (none later).
+            message["diagnostics"] = job.prepared.diagnosis
+        out = [sse("message_start", {"type": "message_start", "message": message})]
+        if not self.tools:
+            # NOTE: without tools the text passes straight through, in one block
+            # opened at once; with tools, blocks open as the parser finds text or calls.
+            out += self.text("")
+        return [*out, PING]
 
     def text(self, text: str) -> list[bytes]:
         out: list[bytes] = []
@@ -87,7 +150,7 @@ class _Blocks:
             return self.text(part.text)
         out = self.close()
         self.index += 1
-        self.tool_uses += 1
+        self.tool_calls += 1
         block = {"type": "tool_use", "id": part.id, "name": part.name, "input": {}}
         args = json.dumps(part.input, separators=(",", ":"), ensure_ascii=False)
         delta = {"type": "input_json_delta", "partial_json": args}
@@ -101,6 +164,27 @@ class _Blocks:
             return []
         self.text_open = False
         return [_event("content_block_stop", index=self.index)]
+
+    def closing(
+        self, stop_reason: str | None, stop_sequence: str | None, b: Buckets
+    ) -> list[bytes]:
+        usage = usage_of(b).model_dump()
+        usage.pop("cache_creation")
+        delta: dict[str, Any] = {
+            "type": "message_delta",
+            "delta": {
+                "stop_reason": "tool_use" if self.tool_calls else stop_reason,
+                "stop_sequence": None if self.tool_calls else stop_sequence,
+            },
+            "usage": usage,
+        }
+        edits = report(self.job.prepared.rendered.applied_edits)
+        if edits is not None:  # Anthropic: in the final message_delta, when asked for
+            delta["context_management"] = edits
+        return [sse("message_delta", delta), sse("message_stop", {"type": "message_stop"})]
+
+    def error(self, kind: str, message: str) -> bytes:
+        return sse("error", envelope(kind, message, self.job.rid))
 
 
 def _track_progress(job: StreamJob, cache: CacheReport, progress: _Progress) -> None:
@@ -126,16 +210,20 @@ def _event(kind: str, **data: Any) -> bytes:
 
 
 def respond(job: StreamJob) -> StreamingResponse:
-    chunks = _relay(job)
+    if job.emitter is None:
+        job.emitter = AnthropicEvents(job, offered(job.body) is not None)
+    chunks = _relay(job, job.emitter)
     interval = job.state.settings.sse_ping_interval_s
-    body = _with_pings(chunks, interval) if interval > 0 else chunks
+    body = _with_pings(chunks, interval, job.emitter.ping) if interval > 0 else chunks
     return StreamingResponse(body, media_type="text/event-stream", headers=job.headers)
 
 
 PING = sse("ping", {"type": "ping"})
 
 
-async def _with_pings(chunks: AsyncIterator[bytes], interval_s: float) -> AsyncIterator[bytes]:
+async def _with_pings(
+    chunks: AsyncIterator[bytes], interval_s: float, ping: bytes = PING
+) -> AsyncIterator[bytes]:
     """``chunks``, plus an SSE ``ping`` whenever ``interval_s`` passes with nothing sent
     (a replica slow to prefill, decode or finish), as Anthropic sends them: clients and
     proxies that drop an idle connection keep this one. The SDKs skip pings.
@@ -176,7 +264,7 @@ async def _with_pings(chunks: AsyncIterator[bytes], interval_s: float) -> AsyncI
                 async with asyncio.timeout(timeout):
                     item = await handoff.get()
             except TimeoutError:
-                yield PING
+                yield ping
                 continue
             if item is None:
                 return
@@ -193,22 +281,18 @@ async def _with_pings(chunks: AsyncIterator[bytes], interval_s: float) -> AsyncI
             log.warning("stream relay failed while closing: %r", task.exception())
 
 
-async def _relay(job: StreamJob) -> AsyncIterator[bytes]:
+async def _relay(job: StreamJob, emit: Emitter) -> AsyncIterator[bytes]:
     state, opened, rid = job.state, job.opened, job.rid
     cache = opened.cache
-    msg_id = f"msg_{rid.removeprefix('req_')}"
     now = time.perf_counter()
     state.metrics.ttft.observe(now - job.t_open)
     waited = now - job.t_open  # seconds spent waiting on the replica
     progress = _Progress()
     names = offered(job.body)
-    # NOTE: without tools the text passes straight through, in one block opened at once
-    # (as before); with tools, blocks open as the parser finds text or calls.
     parser = ToolCallParser(names) if names is not None else None
     forced = job.prepared.forcing
     if parser is not None and forced.prefix:
         parser.feed(forced.prefix)  # the open call the prompt already started: nothing out
-    blocks = _Blocks()
     recorded: list[bytes] | None = [] if job.claim is not None else None
 
     async def charge(out_tokens: int) -> bool:
@@ -231,26 +315,9 @@ async def _relay(job: StreamJob) -> AsyncIterator[bytes]:
         return chunk
 
     try:
-        start_usage = usage_of(buckets_of(cache, 0, job.limits)).model_dump()
         _track_progress(job, cache, progress)
-        message: dict[str, Any] = {
-            "id": msg_id,
-            "type": "message",
-            "role": "assistant",
-            "content": [],
-            "model": job.body.model,
-            "stop_reason": None,
-            "stop_sequence": None,
-            "usage": start_usage,
-        }
-        if diagnostics_requested(job.body):
-            # NOTE: Anthropic sends diagnostics on message_start only (none later).
-            message["diagnostics"] = job.prepared.diagnosis
-        yield out(sse("message_start", {"type": "message_start", "message": message}))
-        if parser is None:
-            for chunk in blocks.text(""):
-                yield out(chunk)
-        yield out(sse("ping", {"type": "ping"}))
+        for chunk in emit.opening(buckets_of(cache, 0, job.limits)):
+            yield out(chunk)
         final: GenerateResponse | None = None
         while final is None:
             t = time.perf_counter()
@@ -264,12 +331,12 @@ async def _relay(job: StreamJob) -> AsyncIterator[bytes]:
                 progress.pending += 1
                 check_output(progress.delivered + progress.pending, job.limits)
                 text = ev.text
-                chunks: list[bytes] = []
+                parts: list[Part] = []
                 if parser is not None:
-                    for part in parser.feed(text):
-                        chunks += blocks.part(part)
+                    parts = parser.feed(text)
                 elif text:
-                    chunks = blocks.text(text)
+                    parts = [TextPart(text)]
+                chunks = [c for part in parts for c in emit.part(part)]
                 for chunk in chunks:
                     yield out(chunk)
                 if chunks:
@@ -291,33 +358,18 @@ async def _relay(job: StreamJob) -> AsyncIterator[bytes]:
         tail: list[bytes] = []
         if parser is not None:
             parts = parser.feed(closing_text) + parser.finish()
-            tail = [c for part in parts for c in blocks.part(part)]
-        for chunk in tail + blocks.close():
+            tail = [c for part in parts for c in emit.part(part)]
+        for chunk in tail + emit.close():
             yield out(chunk)
         # NOTE: billed before the final usage leaves: the request id makes it once only.
         if not await charge(out_tokens):  # logged; the key is released for a retry
-            yield sse("error", envelope("api_error", "could not record usage", rid))
+            yield emit.error("api_error", "could not record usage")
             return
-        usage = usage_of(buckets_of(cache, out_tokens, job.limits)).model_dump()
-        usage.pop("cache_creation")
         # NOTE: recorded before they leave: once the full charge is written, the key
         # keeps this whole stream, so a retry replays it even if this client hangs up
         # before these last events reach it, and is not generated or billed again.
-        delta: dict[str, Any] = {
-            "type": "message_delta",
-            "delta": {
-                "stop_reason": "tool_use" if blocks.tool_uses else stop_reason,
-                "stop_sequence": None if blocks.tool_uses else stop_sequence,
-            },
-            "usage": usage,
-        }
-        edits = report(job.prepared.rendered.applied_edits)
-        if edits is not None:  # Anthropic: in the final message_delta, when asked for
-            delta["context_management"] = edits
-        closing = [
-            out(sse("message_delta", delta)),
-            out(sse("message_stop", {"type": "message_stop"})),
-        ]
+        b = buckets_of(cache, out_tokens, job.limits)
+        closing = [out(c) for c in emit.closing(stop_reason, stop_sequence, b)]
         progress.charged = True
         for chunk in closing:
             yield chunk
@@ -329,14 +381,14 @@ async def _relay(job: StreamJob) -> AsyncIterator[bytes]:
         # Nothing is billed from a report that cannot be true.
         progress.billed = True
         reject_report(state, opened.replica.name, exc)
-        yield sse("error", envelope(exc.kind, exc.message, rid))
+        yield emit.error(exc.kind, exc.message)
     except ApiError as exc:
         if isinstance(exc, ReplicaStreamError):
             stream_broke(state, opened.replica.name, exc)
         else:
             log.warning("stream %s failed on %s: %s", rid, opened.replica.name, exc.message)
         await charge(progress.delivered)
-        yield sse("error", envelope(exc.kind, exc.message, rid))
+        yield emit.error(exc.kind, exc.message)
     finally:
         # Reached on every exit: normal end, error, or the client hanging up (then
         # this runs under cancellation, hence the shield). A client that went away

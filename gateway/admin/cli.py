@@ -670,7 +670,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--group-by",
         action="append",
         choices=sorted(USAGE_GROUPS | set(_GROUP_NAMES)),
-        help="repeatable; session = X-Claude-Code-Session-Id, user = metadata.user_id",
+        help="repeatable; session = X-Claude-Code-Session-Id, user = metadata.user_id, "
+        "api = messages, chat.completions or completions",
     )
     c.add_argument("--session-id", action="append", help="only these sessions (repeatable)")
     c.add_argument("--user-id", action="append", help="only these metadata.user_id values")

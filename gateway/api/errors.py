@@ -1,4 +1,5 @@
-"""Exception handlers: every failure becomes the Anthropic error envelope, never a trace."""
+"""Exception handlers: every failure becomes its API's error envelope (Anthropic's, or
+OpenAI's on the OpenAI-compatible endpoints), never a trace."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cachepoint.gateway.errors import ApiError, envelope
+from cachepoint.gateway.errors import ApiError, error_body
 
 log = logging.getLogger(__name__)
 
@@ -58,24 +59,37 @@ def _rid(request: Request) -> str | None:
     return getattr(request.state, "request_id", None)
 
 
+def _reply(request: Request, status: int, kind: str, message: str, param: str | None = None):
+    status, body = error_body(request.url.path, status, kind, message, _rid(request), param)
+    return JSONResponse(body, status)
+
+
+def _param(exc: RequestValidationError) -> str | None:
+    """The parameter the first validation error is about (OpenAI's ``param``)."""
+    for err in exc.errors()[:1]:
+        path = clean_loc(tuple(err.get("loc", ())))
+        return path or None
+    return None
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api(request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(envelope(exc.kind, exc.message, _rid(request)), exc.status)
+        return _reply(request, exc.status, exc.kind, exc.message, exc.param)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        body = envelope("invalid_request_error", _validation_message(exc), _rid(request))
-        return JSONResponse(body, 400)
+        message = _validation_message(exc)
+        return _reply(request, 400, "invalid_request_error", message, _param(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kinds = {404: "not_found_error", 405: "invalid_request_error"}
         kind = kinds.get(exc.status_code, "invalid_request_error")
         msg = "not found" if exc.status_code == 404 else str(exc.detail)
-        return JSONResponse(envelope(kind, msg, _rid(request)), exc.status_code)
+        return _reply(request, exc.status_code, kind, msg)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(envelope("api_error", "internal error", _rid(request)), 500)
+        return _reply(request, 500, "api_error", "internal error")

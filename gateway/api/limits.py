@@ -1,6 +1,7 @@
-"""The rate-limit dependency of the Messages route: admits the request against its
-org's and key's buckets, and adds Anthropic's ``anthropic-ratelimit-*`` headers to the
-response (``retry-after`` too when it refuses, with a 429 ``rate_limit_error``)."""
+"""The rate-limit dependencies: admit the request against its org's and key's buckets,
+and add the API's headers to the response (Anthropic's ``anthropic-ratelimit-*`` on
+the Messages API, OpenAI's ``x-ratelimit-*`` on its endpoints; ``retry-after`` too
+when refused, with a 429)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,23 @@ async def admit(request: Request, state: StateDep, ctx: MessageCallerDep) -> Adm
 
 
 RateLimitDep = Annotated[Admission, Depends(admit)]
+
+
+async def admit_openai(request: Request, state: StateDep, ctx: MessageCallerDep) -> Admission:
+    """`admit` for the OpenAI-compatible endpoints: the same buckets, OpenAI's
+    ``x-ratelimit-*`` headers (the 429 leaves in OpenAI's envelope: errors.py)."""
+    requestlog.note_caller(ctx)
+    admission = state.limiter.admit(ctx.org_id, ctx.key_id)
+    extra_headers(request.scope).extend(admission.openai_headers())
+    if not admission.allowed:
+        raise rate_limited(
+            f"Rate limit reached for {admission.reason} (per gateway); retry after the "
+            "retry-after header's seconds"
+        )
+    return admission
+
+
+OpenAIRateLimitDep = Annotated[Admission, Depends(admit_openai)]
 
 
 async def admit_count(request: Request, state: StateDep, ctx: MessageCallerDep) -> Admission:

@@ -12,7 +12,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cachepoint.gateway.errors import envelope
+from cachepoint.gateway.errors import error_body
 from cachepoint.gateway.observability import requestlog
 
 # scope["state"] key under which dependencies queue (name, value) response headers
@@ -96,7 +96,10 @@ class _Response:
 
     def sniff(self, chunk: bytes) -> None:
         if self.sse:
-            if chunk.startswith(b"event: error\n") and self.error_type is None:
+            # NOTE: Anthropic's stream names the event; OpenAI's sends a bare error object.
+            if self.error_type is None and (
+                chunk.startswith(b"event: error\n") or chunk.startswith(b'data: {"error"')
+            ):
                 data = chunk.partition(b"data: ")[2].strip()
                 self.error_type = _error_type(data)
         elif (self.status or 0) >= 400 and len(self.error_body) < _SNIFF_LIMIT:
@@ -177,7 +180,8 @@ class RequestIdMiddleware:
 
         async def reply(status: int, kind: str, message: str) -> None:
             seen.status, seen.error_type = status, kind
-            raw = json.dumps(envelope(kind, message, rid)).encode()
+            status, body = error_body(scope.get("path", ""), status, kind, message, rid, None)
+            raw = json.dumps(body).encode()
             start: Message = {
                 "type": "http.response.start",
                 "status": status,

@@ -37,6 +37,8 @@ class Attribution:
     # what happened to the entry, in a few words: "tier host" for an evicted entry's
     # last tier, "entry on r0" for one routed elsewhere (None: nothing to add)
     miss_detail: str | None = None
+    api: str = "messages"  # the API the request came to: messages, chat.completions, completions
+    cache_key: str | None = None  # OpenAI's prompt_cache_key, as sent
 
 
 NO_ATTRIBUTION = Attribution()
@@ -129,6 +131,8 @@ def _row(charge: Charge, price: Price, now: datetime | None) -> dict[str, object
         "miss_reason": charge.who.miss_reason,
         "miss_tokens": charge.who.miss_tokens,
         "miss_detail": charge.who.miss_detail,
+        "api": charge.who.api,
+        "prompt_cache_key": charge.who.cache_key,
     }
 
 
@@ -183,6 +187,8 @@ def charge_from_json(raw: str) -> Charge:
                 _opt(who.get("miss_reason"), str),
                 _opt(who.get("miss_tokens"), int),
                 _opt(who.get("miss_detail"), str),
+                _opt(who.get("api"), str) or "messages",
+                _opt(who.get("cache_key"), str),
             ),
         )
     except (KeyError, TypeError, BillingError, json.JSONDecodeError) as exc:

@@ -24,10 +24,11 @@ from cachepoint.gateway.db.models import UsageRecord
 WIDTHS = {"1m": 60, "1h": 3600, "1d": 86400}
 LIMITS = {"1m": (60, 1440), "1h": (24, 168), "1d": (7, 31)}  # (default, max) buckets a page
 # NOTE: the first three are Anthropic's and every result names them (None when not
-# grouped); session_id, user_id and miss_reason (cache diagnostics' reason against the
-# turn before: gateway/diagnostics.py) are ours and appear only when grouped by.
+# grouped); session_id, user_id, miss_reason (cache diagnostics' reason against the
+# turn before: gateway/diagnostics.py) and api (messages, chat.completions, completions)
+# are ours and appear only when grouped by.
 ANTHROPIC_GROUPS = ("model", "api_key_id", "workspace_id")
-USAGE_GROUPS = {*ANTHROPIC_GROUPS, "session_id", "user_id", "miss_reason"}
+USAGE_GROUPS = {*ANTHROPIC_GROUPS, "session_id", "user_id", "miss_reason", "api"}
 COST_GROUPS = {*USAGE_GROUPS, "description"}
 TOKEN_FIELDS = (
     "input_tokens",

@@ -33,7 +33,7 @@ class ScopePolicy:
 class Breakpoint:
     path: str  # where the marker sits in the request
     position: int  # prefix length in tokens
-    ttl: Literal["5m", "1h"]
+    ttl: Literal["5m", "1h", "24h"]  # 24h: OpenAI's prompt_cache_retention only
     scope: Scope  # the scope actually used
     extra_keys: tuple[str, ...]  # the keys its entry is written under
     boundaries: tuple[int, ...]  # earlier block ends to look back on, nearest first

@@ -121,6 +121,9 @@ class UsageRecord(Base):
     miss_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # what only the server knows of it: "tier host" (evicted), "entry on r0" (routed)
     miss_detail: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # the API the request came to: messages, chat.completions or completions
+    api: Mapped[str] = mapped_column(String(24), nullable=False, server_default="messages")
+    prompt_cache_key: Mapped[str | None] = mapped_column(String(64), nullable=True)  # OpenAI's
 
 
 class ModelAlias(Base):

@@ -22,6 +22,7 @@ from cachepoint.gateway.fleet.upstream import ReplicaClient
 from cachepoint.gateway.observability.metrics import GatewayMetrics
 from cachepoint.kvcore import KeySpan, hash_blocks
 from cachepoint.routing import (
+    CacheKeyAffinity,
     LeastLoadedPolicy,
     NoReplicaError,
     ReplicaView,
@@ -39,6 +40,9 @@ class RouteRequest:
     key_spans: Sequence[tuple[int, Sequence[str]]]  # (start_block, extra keys)
     model: str  # the served model id (aliases resolved): only its replicas may be chosen
     avoid: frozenset[str] = frozenset()  # replicas already tried for this request
+    # OpenAI's prompt_cache_key, scoped by the org ("org:<id>:<key>"): requests that
+    # share it go where the last one went while that replica keeps up (CacheKeyAffinity)
+    affinity: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +107,7 @@ class DirectoryRouter:
         self.fallback: RoutingPolicy = LeastLoadedPolicy()
         self.block_size = block_size
         self.nats_up = nats_up
+        self.affinity = CacheKeyAffinity()  # prompt_cache_key -> the replica it went to
         self._clients: dict[str, ReplicaClient] = {}
 
     def _client(self, name: str, url: str) -> ReplicaClient:
@@ -150,6 +155,7 @@ class DirectoryRouter:
             decision = policy.choose(hashes, views, self.block_size, num_tokens=len(req.tokens))
         except NoReplicaError as exc:
             raise overloaded(f"no replica can take the request: {exc}") from exc
+        decision = self.affinity.steer(req.affinity, decision, now)
         url = self.directory.url_of(decision.replica)
         assert url is not None, "views() only lists replicas with a URL"
         # NOTE: heartbeats report load once a second; a burst routed in between would
@@ -167,6 +173,7 @@ class DirectoryRouter:
 
     def report_failure(self, name: str) -> None:
         self.directory.mark_down(name)
+        self.affinity.forget(name)
 
     def freshness_s(self, name: str) -> float | None:
         return self.directory.freshness_s(name)

@@ -21,7 +21,9 @@ from cachepoint.gateway.billing.ledger import Charge
 from cachepoint.gateway.tenancy.tenants import KeyContext
 
 LOGGER = "cachepoint.requests"
-LOGGED_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
+LOGGED_PATHS = frozenset(
+    {"/v1/messages", "/v1/messages/count_tokens", "/v1/chat/completions", "/v1/completions"}
+)
 
 log = logging.getLogger(LOGGER)
 

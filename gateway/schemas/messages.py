@@ -552,15 +552,23 @@ class CountTokensResponse(BaseModel):
 
 
 class ModelInfo(BaseModel):
+    """One model, in both SDKs' shapes at once: Anthropic's fields (type, display_name,
+    created_at, ...) and OpenAI's (object, created, owned_by); each SDK reads its own
+    and keeps the others as extras."""
+
     type: Literal["model"] = "model"
     id: str
     display_name: str
     created_at: str
     max_input_tokens: int | None = None  # the context window (prompt + max_tokens)
     max_tokens: int | None = None  # the largest max_tokens a 1-token prompt could take
+    object: Literal["model"] = "model"  # OpenAI's
+    created: int = 0  # OpenAI's: created_at in epoch seconds
+    owned_by: str = "cachepoint"  # OpenAI's
 
 
 class ModelList(BaseModel):
+    object: Literal["list"] = "list"  # OpenAI's
     data: list[ModelInfo]
     has_more: bool = False
     first_id: str | None

@@ -82,6 +82,32 @@ class Admission:
             out.append(("retry-after", str(max(1, math.ceil(self.retry_after_s)))))
         return out
 
+    def openai_headers(self, now: datetime | None = None) -> list[tuple[str, str]]:
+        """OpenAI's ``x-ratelimit-*`` headers (reset as a duration, "1s", "6m0s"), plus
+        ``retry-after`` when refused."""
+        now = now or datetime.now(UTC)
+        out: list[tuple[str, str]] = []
+        for name, w in (("requests", self.requests), ("tokens", self.input_tokens)):
+            if w is None:
+                continue
+            out += [
+                (f"x-ratelimit-limit-{name}", str(w.limit)),
+                (f"x-ratelimit-remaining-{name}", str(w.remaining)),
+                (f"x-ratelimit-reset-{name}", _duration((w.reset - now).total_seconds())),
+            ]
+        if self.retry_after_s is not None:
+            out.append(("retry-after", str(max(1, math.ceil(self.retry_after_s)))))
+        return out
+
+
+def _duration(seconds: float) -> str:
+    """A duration as OpenAI writes it in its reset headers: "0s", "17ms", "6m0s"."""
+    seconds = max(0.0, seconds)
+    if seconds < 1:
+        return f"{round(seconds * 1000)}ms"
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes}m{rest}s" if minutes else f"{rest}s"
+
 
 @dataclass(frozen=True, slots=True)
 class Limits:

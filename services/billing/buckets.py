@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 # NOTE: the TTL labels of the wire and the traces; kvcore's TTL_SECONDS is keyed by them.
 TTL_1H = "1h"
+TTL_5M = "5m"
+# NOTE: every TTL longer than 5 minutes writes into the long bucket, at its price: 1h,
+# and OpenAI's 24h retention (docs/openai.md), which has no bucket of its own.
 
 
 class BillingError(ValueError):
@@ -61,7 +64,8 @@ def buckets(
 
 def cache_writes(hit: int, written: Sequence[tuple[int, str]]) -> tuple[int, int]:
     """(5m, 1h) written tokens from the hit A and the (position, ttl) entries written:
-    with B the last 1h write and C the last write, 1h = B - A and 5m = C - max(A, B).
+    with B the last write longer than 5m (1h or 24h) and C the last write,
+    1h = B - A and 5m = C - max(A, B).
 
     Only the writes made are listed (the replica's, past A, ascending); what lies past C,
     a refused write among it, is plain input.
@@ -69,7 +73,7 @@ def cache_writes(hit: int, written: Sequence[tuple[int, str]]) -> tuple[int, int
     if not written:
         return 0, 0
     c = max(p for p, _ in written)
-    b = max((p for p, ttl in written if ttl == TTL_1H), default=hit)
+    b = max((p for p, ttl in written if ttl != TTL_5M), default=hit)
     return c - max(hit, b), b - hit
 
 
@@ -100,7 +104,7 @@ def walk_breakpoints(
         span = position - at
         if not ok:
             plain += span
-        elif ttl == TTL_1H:
+        elif ttl != TTL_5M:
             w1h += span
         else:
             w5m += span

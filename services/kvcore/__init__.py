@@ -51,6 +51,7 @@ from .prefix_index import PrefixIndex, TierMatch
 from .retention import (
     TTL_1H,
     TTL_5M,
+    TTL_24H,
     TTL_SECONDS,
     UNATTRIBUTED,
     RetainResult,
@@ -67,6 +68,7 @@ __all__ = [
     "TIER_ORDER",
     "TTL_1H",
     "TTL_5M",
+    "TTL_24H",
     "TTL_SECONDS",
     "UNATTRIBUTED",
     "AllBlocksCleared",

@@ -10,9 +10,10 @@ from typing import Generic, TypeVar
 
 TTL_5M = 300.0
 TTL_1H = 3600.0
+TTL_24H = 86400.0
 
-TTL_SECONDS: dict[str, float] = {"5m": TTL_5M, "1h": TTL_1H}
-"""The TTLs a `cache_control` marker may name."""
+TTL_SECONDS: dict[str, float] = {"5m": TTL_5M, "1h": TTL_1H, "24h": TTL_24H}
+"""The TTLs a `cache_control` marker may name ("24h": OpenAI's extended retention)."""
 
 T = TypeVar("T")
 

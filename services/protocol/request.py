@@ -14,7 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from cachepoint.kvcore import MAX_LOOKBACK_BOUNDARIES
 from cachepoint.kvcore.limits import MAX_BREAKPOINTS, MAX_EXTRA_KEYS, MAX_KEY_SPANS
 
-TtlLabel = Literal["5m", "1h"]
+# NOTE: "24h" is OpenAI's extended retention (prompt_cache_retention), which the
+# gateway sends only for its OpenAI endpoints; the Messages API has 5m and 1h.
+TtlLabel = Literal["5m", "1h", "24h"]
 
 MAX_REQUEST_ID_CHARS = 128  # a request id is logged and traced: bounded
 MAX_STOP_SEQUENCES = 16  # stop strings checked after every token

@@ -35,7 +35,7 @@ class EntrySpan:
     """
 
     position: int  # prefix length in tokens
-    ttl_label: str  # "5m" | "1h"
+    ttl_label: str  # "5m" | "1h" | "24h"
     extra_keys: ExtraKeys  # keys its entry is hashed under
     boundaries: tuple[int, ...] = ()  # earlier content-block ends, nearest first
     owner: RetentionOwner = UNATTRIBUTED  # tenant its entry's retention is charged to

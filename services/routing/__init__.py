@@ -4,6 +4,7 @@ Pure (no I/O, no clock, no asyncio): the gateway and the trace simulator import
 the same classes.
 """
 
+from cachepoint.routing.affinity import CacheKeyAffinity
 from cachepoint.routing.costs import DEVICE_EQUIVALENT, TierValue, lower_hit_value, tier_value
 from cachepoint.routing.decision import Candidate, NoReplicaError, RouteDecision
 from cachepoint.routing.policies import (
@@ -24,6 +25,7 @@ __all__ = [
     "DEVICE_EQUIVALENT",
     "POLICIES",
     "CacheAwarePolicy",
+    "CacheKeyAffinity",
     "Candidate",
     "LeastLoadedPolicy",
     "NoReplicaError",

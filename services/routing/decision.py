@@ -50,6 +50,7 @@ class RouteDecision:
     host_blocks: int = 0  # of matched_blocks, those it holds in host memory
     disk_blocks: int = 0  # of matched_blocks, those it holds on local disk
     routed_blocks: int = 0  # of matched_blocks, those routed there and not yet in its events
+    steered: bool = False  # sent where its prompt_cache_key went before (CacheKeyAffinity)
 
     def span_attributes(self) -> dict[str, AttributeValue]:
         """Attributes for the gateway's `route` span (flat, OpenTelemetry-typed)."""
@@ -63,4 +64,5 @@ class RouteDecision:
             "cachepoint.route.routed_blocks": self.routed_blocks,
             "cachepoint.route.score": self.score,
             "cachepoint.route.candidates": [c.describe() for c in self.candidates],
+            "cachepoint.route.cache_key_steered": self.steered,
         }

@@ -16,14 +16,15 @@ from starlette.concurrency import run_in_threadpool
 
 from cachepoint.gateway import streaming
 from cachepoint.gateway.accounting import attribution_of, bill, charge_for
+from cachepoint.gateway.api.common import answer, client_gone, declared, intake_full, resolved
 from cachepoint.gateway.api.deps import BetasDep, MessageCallerDep, RequestIdDep, StateDep
 from cachepoint.gateway.api.limits import CountLimitDep, RateLimitDep
 from cachepoint.gateway.api.openapi import request_body
 from cachepoint.gateway.billing.ledger import Attribution
-from cachepoint.gateway.contract import context_edits, toolcalls
+from cachepoint.gateway.contract import context_edits
 from cachepoint.gateway.diagnostics import Diagnosed, session_of
 from cachepoint.gateway.dispatch import generate, open_watched, pick
-from cachepoint.gateway.errors import ApiError, envelope, rate_limited
+from cachepoint.gateway.errors import ApiError
 from cachepoint.gateway.fleet.routing import RouteRequest
 from cachepoint.gateway.intake import IntakeFull, read_body, trim_after
 from cachepoint.gateway.observability import requestlog
@@ -43,15 +44,12 @@ from cachepoint.gateway.schemas.messages import (
     CountTokensResponse,
     MessageResponse,
     MessagesRequest,
-    TextOut,
-    ToolUseOut,
     diagnostics_requested,
 )
 from cachepoint.gateway.state import GatewayState
 from cachepoint.gateway.streaming import StreamJob
-from cachepoint.gateway.tenancy import aliases, idempotency
+from cachepoint.gateway.tenancy import idempotency
 from cachepoint.gateway.tenancy.tenants import KeyContext
-from cachepoint.protocol import GenerateResponse
 
 log = logging.getLogger(__name__)
 
@@ -61,17 +59,6 @@ _Body = TypeVar("_Body", MessagesRequest, CountTokensRequest)
 
 SCOPE_HEADER = "cachepoint-cache-scope"
 REPLICA_HEADER = "cachepoint-replica"
-
-
-async def _resolved(state: GatewayState, body: _Body) -> _Body:
-    """The request with its model resolved to a served id (aliases), or a 404.
-
-    NOTE: routing, the cache key, profiles, the answer's ``model`` and the ledger all
-    use the served id, as Anthropic answers an alias with the snapshot it resolved to:
-    one served model has one cache whatever name reached it. The ledger keeps the
-    client's name too (``requested_model``)."""
-    served = await aliases.resolve(state, body.model)
-    return body if served == body.model else body.model_copy(update={"model": served})
 
 
 async def _read_count_body(
@@ -89,20 +76,6 @@ async def _read_count_body(
         return body
     finally:
         trim_after(len(raw))
-
-
-def _declared(request: Request, state: GatewayState) -> int:
-    """The body size a request declares; without a content-length, the most it may be."""
-    raw = request.headers.get("content-length", "")
-    return int(raw) if raw.isdigit() else state.settings.max_body_bytes
-
-
-def _intake_full(state: GatewayState) -> ApiError:
-    state.metrics.intake_refused.inc()
-    return rate_limited(
-        "too many of your organization's request bodies are being read and rendered at "
-        "once (intake_org_bytes); retry shortly"
-    )
 
 
 def _prepare_job(
@@ -163,7 +136,7 @@ async def create_message(
     server = trace.get_current_span()
     server.set_attributes({"cachepoint.request_id": rid, "cachepoint.org": ctx.org_id})
     try:
-        async with state.intake.admitted(ctx.org_id, _declared(request, state)):
+        async with state.intake.admitted(ctx.org_id, declared(request, state)):
             raw = await request.body()
             # NOTE: the served set is read here, on the loop that updates the directory.
             served = frozenset(state.models())
@@ -188,7 +161,7 @@ async def create_message(
                     )
                     if prepared is None:  # an alias: resolved here (it may read the database)
                         requested = body.model
-                        body = await _resolved(state, body)
+                        body = await resolved(state, body)
                         who = attribution_of(rid, request.headers, body, requested)
                         prepared, digest = await state.intake.run(
                             ctx.org_id,
@@ -208,7 +181,7 @@ async def create_message(
             finally:
                 trim_after(len(raw))
     except IntakeFull:
-        raise _intake_full(state) from None
+        raise intake_full(state) from None
     if prepared.fingerprint is not None:
         prepared = await _diagnose(state, ctx, rid, body, prepared)
     claim: idempotency.Claim | None = None
@@ -320,15 +293,15 @@ async def _complete(
     upstream = time.perf_counter() - t_up
     result = gen.result
     if gen.cache is None:  # gone before prefill_done: the replica dropped it, nothing to bill
-        return _client_gone(state, rid, "while queued or prefilling")
+        return client_gone(state, rid, "while queued or prefilling")
     b = buckets_of(gen.cache, gen.output_tokens, limits)
     # NOTE: billed before the response leaves; the request id makes a retry a no-op.
     await bill(state, charge_for(state, rid, ctx, body, gen.replica, prepared, b))
     if result is None:
-        return _client_gone(state, rid, f"after {gen.output_tokens} output tokens")
+        return client_gone(state, rid, f"after {gen.output_tokens} output tokens")
     headers = {SCOPE_HEADER: prepared.plan.scope, REPLICA_HEADER: gen.replica}
     headers |= prepared.degraded
-    content, stop_reason, stop_sequence = _answer(body, result, prepared.forcing)
+    content, stop_reason, stop_sequence = answer(body, result, prepared.forcing)
     msg = MessageResponse(
         id=f"msg_{rid.removeprefix('req_')}",
         content=content,
@@ -382,7 +355,7 @@ async def _stream(
     if opened is None:  # gone before prefill_done: the replica dropped it, nothing to bill
         if claim is not None:
             await claim.release()
-        return _client_gone(state, rid, "while queued or prefilling")
+        return client_gone(state, rid, "while queued or prefilling")
     headers = {SCOPE_HEADER: prepared.plan.scope, REPLICA_HEADER: opened.replica.name}
     headers |= prepared.degraded
     job = StreamJob(
@@ -399,33 +372,6 @@ async def _stream(
         claim=claim,
     )
     return streaming.respond(job)
-
-
-def _answer(
-    body: MessagesRequest, result: GenerateResponse, forced: toolcalls.Forcing
-) -> tuple[list[Any], Any, Any]:
-    """The replica's text as content blocks, its tool calls as ``tool_use`` blocks."""
-    text, stop_reason, stop_sequence = forced.settle(
-        result.text, result.stop_reason, result.stop_sequence
-    )
-    names = toolcalls.offered(body)
-    if names is None:
-        return [TextOut(text=text)], stop_reason, stop_sequence
-    content = [
-        ToolUseOut(id=p.id, name=p.name, input=p.input)
-        if isinstance(p, toolcalls.ToolCall)
-        else TextOut(text=p.text)
-        for p in toolcalls.split(text, names)
-    ]
-    if any(isinstance(block, ToolUseOut) for block in content):
-        return content, "tool_use", None
-    return content, stop_reason, stop_sequence
-
-
-def _client_gone(state: GatewayState, rid: str, when: str) -> JSONResponse:
-    log.info("request %s: client went away %s", rid, when)
-    state.metrics.requests.labels("client_gone").inc()
-    return JSONResponse(envelope("api_error", "client disconnected", rid), 499)
 
 
 def _count_job(
@@ -452,14 +398,14 @@ async def count_tokens(
 ) -> CountTokensResponse:
     counted = state.metrics.count_tokens
     try:
-        async with state.intake.admitted(ctx.org_id, _declared(request, state)):
+        async with state.intake.admitted(ctx.org_id, declared(request, state)):
             body = await _read_count_body(request, state, ctx)
             requestlog.note_request(ctx, body.model, False)
-            body = await _resolved(state, body)
+            body = await resolved(state, body)
             n = await state.intake.run(ctx.org_id, _count_job, body, ctx, betas, state)
     except IntakeFull:
         counted.labels("rate_limited").inc()
-        raise _intake_full(state) from None
+        raise intake_full(state) from None
     except (ApiError, RequestValidationError):
         counted.labels("invalid").inc()
         raise

@@ -1,5 +1,6 @@
 """GET /v1/models: the configured models, those the live replicas report, and the
-aliases (names, not patterns) that point at one of them."""
+aliases (names, not patterns) that point at one of them, in a shape both the Anthropic
+and the OpenAI SDK parse."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from cachepoint.gateway.tenancy import aliases
 router = APIRouter(tags=["models"])
 
 _CREATED = "2026-11-01T00:00:00Z"
+_CREATED_S = 1_793_491_200  # the same instant in epoch seconds (OpenAI's `created`)
 
 
 def _info(state: GatewayState, model: str, served: str | None = None) -> ModelInfo:
@@ -26,6 +28,7 @@ def _info(state: GatewayState, model: str, served: str | None = None) -> ModelIn
         id=model,
         display_name=model if served is None else f"{model} (alias of {served})",
         created_at=_CREATED,
+        created=_CREATED_S,
         max_input_tokens=window,
         max_tokens=window - 1,
     )

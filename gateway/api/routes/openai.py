@@ -1,0 +1,438 @@
+"""POST /v1/chat/completions and /v1/completions: OpenAI's API on the same pipeline,
+cache, routing and ledger as /v1/messages (docs/openai.md).
+
+A chat request becomes the Messages request it means (`gateway/contract/openai.py`)
+and is rendered through the model's chat template; a completion's prompt is tokenized
+as it is. Both then go the Messages path's way: routing, the replica protocol,
+tracing, billing. What differs is OpenAI's caching contract (automatic, engine hits
+billed as cached reads, no write surcharge: `ApiOptions.implicit_min`), its answers,
+its stream and its error envelope.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from opentelemetry import trace
+
+from cachepoint.gateway import streaming
+from cachepoint.gateway.accounting import attribution_of, bill, charge_for
+from cachepoint.gateway.api.common import answer, client_gone, declared, intake_full, resolved
+from cachepoint.gateway.api.deps import MessageCallerDep, RequestIdDep, StateDep
+from cachepoint.gateway.api.limits import OpenAIRateLimitDep
+from cachepoint.gateway.api.openapi import request_body
+from cachepoint.gateway.billing.ledger import Attribution
+from cachepoint.gateway.contract.openai import (
+    Translated,
+    completion_refusals,
+    finish_reason,
+    refuse,
+    translate,
+)
+from cachepoint.gateway.dispatch import generate, open_watched, pick
+from cachepoint.gateway.fleet.routing import RouteRequest
+from cachepoint.gateway.intake import IntakeFull, read_body, trim_after
+from cachepoint.gateway.observability import requestlog
+from cachepoint.gateway.observability.tracing import render_attributes
+from cachepoint.gateway.pipeline import (
+    ApiOptions,
+    Prepared,
+    ReportLimits,
+    buckets_of,
+    prepare,
+    prepare_tokens,
+)
+from cachepoint.gateway.profiles import profile_of
+from cachepoint.gateway.schemas.messages import MessagesRequest, Metadata, ToolUseOut
+from cachepoint.gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
+from cachepoint.gateway.state import GatewayState
+from cachepoint.gateway.streaming import StreamJob
+from cachepoint.gateway.streaming_openai import ChatChunks, TextChunks, openai_usage
+from cachepoint.gateway.tenancy import aliases
+from cachepoint.gateway.tenancy.tenants import KeyContext
+from cachepoint.protocol import CacheReport
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(tags=["openai"])
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+REPLICA_HEADER = "cachepoint-replica"
+RETENTION_REFUSED_HEADER = "cachepoint-retention-refused"
+
+
+def _options(state: GatewayState, t: Translated | None, clamp: bool) -> ApiOptions:
+    """OpenAI's sampling and caching contract on the payload and the bill."""
+    return ApiOptions(
+        temperature=t.temperature if t is not None else None,
+        seed=t.seed if t is not None else None,
+        top_k=t.top_k if t is not None else None,
+        ignore_eos=t.ignore_eos if t is not None else False,
+        retain_24h=t.retain_24h if t is not None else False,
+        clamp=True if clamp else None,
+        implicit_min=state.settings.openai_min_cached_tokens,
+    )
+
+
+def _who(base: Attribution, api: str, cache_key: str | None) -> Attribution:
+    return replace(base, api=api, cache_key=cache_key)
+
+
+def _chat_prepare(
+    t: Translated,
+    ctx: KeyContext,
+    state: GatewayState,
+    rid: str,
+    headers: Mapping[str, str],
+    requested: str,
+) -> Prepared:
+    """Render, tokenize and plan a translated chat request: an intake job."""
+    who = _who(attribution_of(rid, headers, t.body, requested), "chat.completions", t.cache_key)
+    return prepare(
+        t.body,
+        ctx=ctx,
+        betas=set(),
+        settings=state.settings,
+        renderer=state.renderer,
+        request_id=rid,
+        who=who,
+        options=_options(state, t, t.clamp),
+    )
+
+
+def _chat_job(
+    raw: bytes,
+    served: frozenset[str],
+    ctx: KeyContext,
+    state: GatewayState,
+    rid: str,
+    headers: Mapping[str, str],
+) -> tuple[ChatCompletionRequest, Translated, Prepared | None]:
+    """Parse, check and translate the body, then (a served model, no alias to look up)
+    prepare it in the same job."""
+    chat = read_body(raw, ChatCompletionRequest, state.body_limits)
+    window = profile_of(state.settings, chat.model).context_window
+    t = translate(chat, default_max_tokens=window)
+    if chat.model not in served:
+        return chat, t, None
+    return chat, t, _chat_prepare(t, ctx, state, rid, headers, chat.model)
+
+
+async def _admitted_job(request: Request, state: GatewayState, ctx: KeyContext, job, *args):
+    """Run ``job`` on the body in the org's intake share; (result, raw size)."""
+    try:
+        async with state.intake.admitted(ctx.org_id, declared(request, state)):
+            raw = await request.body()
+            served = frozenset(state.models())
+            try:
+                return await state.intake.run(ctx.org_id, job, raw, served, ctx, state, *args)
+            finally:
+                trim_after(len(raw))
+    except IntakeFull:
+        raise intake_full(state) from None
+
+
+@router.post(CHAT_PATH, openapi_extra=request_body(ChatCompletionRequest))
+async def chat_completions(
+    request: Request,
+    state: StateDep,
+    ctx: MessageCallerDep,
+    rid: RequestIdDep,
+    _limit: OpenAIRateLimitDep,
+) -> Any:
+    t_start = time.perf_counter()
+    server = trace.get_current_span()
+    server.set_attributes({"cachepoint.request_id": rid, "cachepoint.org": ctx.org_id})
+    with state.tracer.start_as_current_span("render") as span:
+        t0 = time.perf_counter()
+        chat, t, prepared = await _admitted_job(
+            request, state, ctx, _chat_job, rid, request.headers
+        )
+        requestlog.note_request(ctx, chat.model, bool(chat.stream))
+        server.set_attributes({"gen_ai.request.model": chat.model, "gen_ai.operation.name": "chat"})
+        if prepared is None:  # an alias: resolved here (it may read the database)
+            t = replace(t, body=await resolved(state, t.body))
+            prepared = await state.intake.run(
+                ctx.org_id, _chat_prepare, t, ctx, state, rid, request.headers, chat.model
+            )
+        state.metrics.intake_seconds.labels("chat_completions").observe(time.perf_counter() - t0)
+        span.set_attributes(render_attributes(prepared.rendered, prepared.plan))
+    body = t.body
+    if chat.stream:
+        emitter = ChatChunks(_id("chatcmpl", rid), body.model, t.include_usage)
+        return await _stream(request, state, ctx, rid, body, prepared, t_start, emitter)
+    got = await _generate(request, state, ctx, rid, body, prepared, CHAT_PATH)
+    if isinstance(got, Response):
+        return got
+    result, b, headers = got
+    content, stop_reason, _ = answer(body, result, prepared.forcing)
+    text = "".join(getattr(c, "text", "") for c in content)
+    calls = [
+        {
+            "id": c.id,
+            "type": "function",
+            "function": {"name": c.name, "arguments": _json(c.input)},
+        }
+        for c in content
+        if isinstance(c, ToolUseOut)
+    ]
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": text if text or not calls else None,
+        "refusal": None,
+        "annotations": [],
+    }
+    if calls:
+        message["tool_calls"] = calls
+    out = {
+        "id": _id("chatcmpl", rid),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "finish_reason": finish_reason(stop_reason, bool(calls)),
+                "logprobs": None,
+            }
+        ],
+        "usage": openai_usage(b),
+        "service_tier": "default",
+        "system_fingerprint": None,
+    }
+    return _done(state, out, headers)
+
+
+def _completion_job(
+    raw: bytes,
+    served: frozenset[str],
+    ctx: KeyContext,
+    state: GatewayState,
+    rid: str,
+    headers: Mapping[str, str],
+) -> tuple[CompletionRequest, list[int]]:
+    """Parse and check the body, and tokenize its prompt as it is: an intake job."""
+    req = read_body(raw, CompletionRequest, state.body_limits)
+    completion_refusals(req)
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
+        if len(prompt) != 1:
+            raise refuse(
+                "prompt", "a batch of prompts is not supported here: send one request per prompt"
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise refuse("prompt", "the prompt is empty")
+        tokens = list(state.renderer.tokenizer.encode(prompt))
+    else:
+        tokens = list(prompt)
+        if not tokens:
+            raise refuse("prompt", "the prompt is empty")
+        if any(t < 0 for t in tokens):
+            raise refuse("prompt", "token ids must be non-negative")
+    return req, tokens
+
+
+@router.post(COMPLETIONS_PATH, openapi_extra=request_body(CompletionRequest))
+async def completions(
+    request: Request,
+    state: StateDep,
+    ctx: MessageCallerDep,
+    rid: RequestIdDep,
+    _limit: OpenAIRateLimitDep,
+) -> Any:
+    t_start = time.perf_counter()
+    server = trace.get_current_span()
+    server.set_attributes({"cachepoint.request_id": rid, "cachepoint.org": ctx.org_id})
+    with state.tracer.start_as_current_span("render") as span:
+        req, tokens = await _admitted_job(
+            request, state, ctx, _completion_job, rid, request.headers
+        )
+        requestlog.note_request(ctx, req.model, bool(req.stream))
+        server.set_attributes({"gen_ai.request.model": req.model})
+        # NOTE: a model that is neither served nor an alias is the usual 404.
+        model = await aliases.resolve(state, req.model)
+        user = req.safety_identifier or req.user
+        carrier = MessagesRequest.model_construct(
+            model=model, metadata=Metadata(user_id=user) if user else None
+        )
+        who = _who(
+            attribution_of(rid, request.headers, carrier, req.model),
+            "completions",
+            req.prompt_cache_key,
+        )
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        prepared = prepare_tokens(
+            tokens,
+            model=model,
+            max_tokens=req.max_tokens or 16,
+            sampling=(None, req.top_p, None, stop),
+            ctx=ctx,
+            settings=state.settings,
+            request_id=rid,
+            who=who,
+            options=replace(
+                _options(state, None, False),
+                temperature=req.temperature,
+                seed=req.seed,
+                top_k=req.top_k,
+                ignore_eos=bool(req.ignore_eos),
+                retain_24h=req.prompt_cache_retention == "24h",
+            ),
+        )
+        span.set_attributes(render_attributes(prepared.rendered, prepared.plan))
+    body = _completion_body(model, req)
+    if req.stream:
+        opts = req.stream_options
+        emitter = TextChunks(_id("cmpl", rid), model, bool(opts and opts.include_usage))
+        return await _stream(request, state, ctx, rid, body, prepared, t_start, emitter)
+    got = await _generate(request, state, ctx, rid, body, prepared, COMPLETIONS_PATH)
+    if isinstance(got, Response):
+        return got
+    result, b, headers = got
+    out = {
+        "id": _id("cmpl", rid),
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "text": result.text,
+                "logprobs": None,
+                "finish_reason": finish_reason(result.stop_reason, False),
+            }
+        ],
+        "usage": openai_usage(b),
+        "system_fingerprint": None,
+    }
+    return _done(state, out, headers)
+
+
+# ---------------------------------------------------------------- shared
+
+
+def _completion_body(model: str, req: CompletionRequest) -> MessagesRequest:
+    """The Messages-shaped request the relay and the ledger read for a completion: its
+    model and stream flag (no tools; nothing else of it is read after preparing)."""
+    return MessagesRequest.model_construct(
+        model=model, max_tokens=req.max_tokens or 16, messages=[], stream=bool(req.stream)
+    )
+
+
+async def _generate(
+    request: Request,
+    state: GatewayState,
+    ctx: KeyContext,
+    rid: str,
+    body: MessagesRequest,
+    prepared: Prepared,
+    path: str,
+) -> tuple[Any, Any, str] | Response:
+    """One generation, collected and billed: (result, buckets, replica), or the
+    response for a client that went away."""
+    route = _route(ctx, body, prepared)
+    limits = ReportLimits.of(prepared)
+    t_up = time.perf_counter()
+    gen = await generate(
+        state,
+        route=route,
+        routed=pick(state, route),
+        request=prepared.payload,
+        limits=limits,
+        client_gone=request.is_disconnected,
+    )
+    if gen.cache is None:
+        return client_gone(state, rid, "while queued or prefilling", path)
+    b = buckets_of(gen.cache, gen.output_tokens, limits)
+    await bill(state, charge_for(state, rid, ctx, body, gen.replica, prepared, b))
+    if gen.result is None:
+        return client_gone(state, rid, f"after {gen.output_tokens} output tokens", path)
+    state.metrics.upstream_seconds.observe(time.perf_counter() - t_up)
+    return gen.result, b, _headers(gen.replica, gen.cache, prepared)
+
+
+async def _stream(
+    request: Request,
+    state: GatewayState,
+    ctx: KeyContext,
+    rid: str,
+    body: MessagesRequest,
+    prepared: Prepared,
+    t_start: float,
+    emitter: ChatChunks | TextChunks,
+) -> Response:
+    """Open the upstream and wait for its prefill (failures up to there are real HTTP
+    errors), then relay it as OpenAI's stream."""
+    route = _route(ctx, body, prepared)
+    limits = ReportLimits.of(prepared)
+    t_open = time.perf_counter()
+    opened = await open_watched(
+        state,
+        route=route,
+        routed=pick(state, route),
+        request=prepared.payload,
+        limits=limits,
+        client_gone=request.is_disconnected,
+    )
+    if opened is None:
+        return client_gone(state, rid, "while queued or prefilling", request.url.path)
+    job = StreamJob(
+        state=state,
+        ctx=ctx,
+        body=body,
+        rid=rid,
+        prepared=prepared,
+        limits=limits,
+        opened=opened,
+        headers=_headers(opened.replica.name, opened.cache, prepared),
+        t_start=t_start,
+        t_open=t_open,
+        claim=None,
+        emitter=emitter,
+    )
+    return streaming.respond(job)
+
+
+def _route(ctx: KeyContext, body: MessagesRequest, prepared: Prepared) -> RouteRequest:
+    """The routing request, with the prompt_cache_key scoped to the caller's org: a key
+    never steers one org's requests by another's."""
+    key = prepared.who.cache_key
+    affinity = f"org:{ctx.org_id}:{key}" if key is not None else None
+    return RouteRequest(
+        prepared.rendered.tokens, prepared.plan.key_spans, body.model, affinity=affinity
+    )
+
+
+def _headers(replica: str, cache: CacheReport, prepared: Prepared) -> dict[str, str]:
+    """The replica that served it, what was degraded, and a 24h retention the replica
+    refused (share or org quota full): the prompt was still reused as in_memory."""
+    out = {REPLICA_HEADER: replica, **prepared.degraded}
+    if prepared.options.retain_24h and cache.retention_refused:
+        out[RETENTION_REFUSED_HEADER] = (cache.refusal_reason or "refused")[:200]
+    return out
+
+
+def _done(state: GatewayState, out: dict[str, Any], headers: dict[str, str]) -> Response:
+    # NOTE: the gateway-overhead histogram is the Messages path's (its bench's): not
+    # observed here, where the upstream part is not split out of the total.
+    state.metrics.requests.labels("ok").inc()
+    return JSONResponse(out, headers=headers)
+
+
+def _id(prefix: str, rid: str) -> str:
+    return f"{prefix}-{rid.removeprefix('req_')}"
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
