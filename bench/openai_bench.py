@@ -112,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
             with start(name, folder, args.kv_budget, work) as server:
                 for backend in args.backends.split(","):
                     out = work / f"{name}-{backend}.json"
-                    env = {**os.environ, "OPENAI_API_KEY": server.key}
+                    env = {**os.environ, "OPENAI_API_KEY": server.api_key}
                     env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-                    argv_ = bench_argv(args, server.url, backend, folder, out)
+                    argv_ = bench_argv(args, server.base_url, backend, folder, out)
                     done = subprocess.run(argv_, env=env, capture_output=True, text=True)
                     if done.returncode != 0 or not out.exists():
                         print(done.stdout[-3000:], done.stderr[-3000:], sep="\n")
