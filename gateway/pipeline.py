@@ -140,7 +140,7 @@ def render_prompt(
 # NOTE: with interleaved thinking the budget spans every thinking block of the turn,
 # so Anthropic lets it exceed max_tokens.
 INTERLEAVED_BETA = "interleaved-thinking-2025-05-14"
-TTL_SECONDS = {"5m": 300, "1h": 3600}
+TTL_SECONDS = {"5m": 300, "1h": 3600, "24h": 86400}
 DIAGNOSIS_BETA = "cache-diagnosis-2026-04-07"
 
 
@@ -187,6 +187,9 @@ class ApiOptions:
     # OpenAI's prompt_cache_retention "24h": such a prompt is also kept as a 24h entry
     # (kvcore retention), its write billed in the long-write bucket
     retain_24h: bool = False
+    # cache diagnostics' session for a request without one of Claude Code's (OpenAI's
+    # prompt_cache_key, scoped by the route): its turns are compared like a session's
+    session: str | None = None
 
 
 MESSAGES = ApiOptions()
@@ -212,8 +215,16 @@ def prepare(
         rendered, plan, req.model, req.max_tokens, sampling, ctx, settings, request_id, options
     )
     fp = None
-    if diagnostics_requested(req) or session_of(who.session_id, who.user_id):
+    sessioned = session_of(who.session_id, who.user_id) or options.session
+    if diagnostics_requested(req) or sessioned:
         last = max(plan.breakpoints, key=lambda bp: bp.position, default=None)
+        cached_end = last.position if last else 0
+        if options.implicit_min is not None and last is None:
+            # NOTE: OpenAI's automatic caching: what a later turn should read of this
+            # one is its whole blocks, once the prompt reaches the minimum.
+            n = len(rendered)
+            cached_end = n // settings.block_size * settings.block_size
+            cached_end = cached_end if n >= options.implicit_min else 0
         fp = fingerprint(
             rendered,
             model=req.model,
@@ -221,7 +232,7 @@ def prepare(
             # and the scope beta only to a scope, which the fingerprint holds apart (a
             # turn without it is scope_changed, not a changed parameter).
             params=params_hash(req, betas - {DIAGNOSIS_BETA, SCOPE_BETA}),
-            cached_end=last.position if last else 0,
+            cached_end=cached_end,
             cached_ttl_s=TTL_SECONDS.get(last.ttl, 300) if last else 300,
             block_size=settings.block_size,
             key_betas=betas_hash(betas & set(settings.cache_key_betas)),

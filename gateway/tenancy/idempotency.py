@@ -34,6 +34,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
+from pydantic import BaseModel
 from sqlalchemy import ColumnElement, Engine, and_, delete, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from starlette.concurrency import run_in_threadpool
@@ -75,6 +76,14 @@ def key_from(request: Request) -> str | None:
     if not 0 < len(raw) <= MAX_KEY_CHARS or not all(33 <= ord(c) <= 126 for c in raw):
         raise invalid(f"{HEADER} must be 1-{MAX_KEY_CHARS} visible ASCII characters")
     return raw
+
+
+def digest_of(api: str, body: BaseModel) -> str:
+    """`fingerprint` for another API's request (OpenAI's): sha256 of it as parsed, with
+    the API's name, so one key reused across APIs is a different request."""
+    canon = {"api": api, "body": body.model_dump(mode="json")}
+    raw = json.dumps(canon, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(raw).hexdigest()
 
 
 def fingerprint(body: MessagesRequest, betas: set[str]) -> str:

@@ -469,3 +469,63 @@ def test_malformed_bodies_are_a_clear_400_in_openais_envelope(scripted, path):
         assert r.status_code == 400, (body[:80], r.text[:300])
         err = r.json()["error"]
         assert words in err["message"] and err["type"] == "invalid_request_error", err
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_idempotency_key_replays_the_answer_and_bills_once(scripted, stream):
+    gw, script = scripted
+    c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=gw.keys["a"], max_retries=0)
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": "Once?"}], "stream": stream}
+    key = {"Idempotency-Key": f"once-{stream}"}
+    first = c.chat.completions.with_raw_response.create(**kw, extra_headers=key)
+    body1 = first.http_response.read()
+    again = c.chat.completions.with_raw_response.create(**kw, extra_headers=key)
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.http_response.read() == body1
+    assert script.calls == 1  # generated once
+    assert len(gw.wait_rows(1)) == 1  # and billed once
+    # The same key with another body, or the same body on the other endpoint, is refused.
+    with pytest.raises(openai.BadRequestError) as exc:
+        c.chat.completions.create(**{**kw, "temperature": 0.5}, extra_headers=key)
+    assert "already used with a different request" in exc.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model=MODEL, prompt="Once?", extra_headers=key)
+
+
+def test_a_refused_24h_retention_runs_in_memory_and_says_so(oa):
+    """An org whose retention quota is nothing: its 24h request is refused retention by
+    the replica, billed as input (no write), and the answer names the refusal."""
+    from sqlalchemy import update
+
+    from cachepoint.gateway.db.models import Org
+
+    engine = make_engine(oa["db"])
+    with engine.begin() as conn:
+        conn.execute(update(Org).where(Org.name == "b").values(retained_share=0.0))
+    engine.dispose()
+    c = client(oa, "b")
+    raw = c.chat.completions.with_raw_response.create(
+        model=MODEL, messages=SECOND, max_completion_tokens=2, prompt_cache_retention="24h"
+    )
+    assert "quota" in raw.headers["cachepoint-retention-refused"]
+    row = ledger(oa, raw.headers["request-id"])
+    assert billed(row) == told(raw.parse().usage)  # no write: all of it input
+
+
+def test_a_prompt_cache_key_is_diagnosed_like_a_session(oa):
+    """Requests sharing a prompt_cache_key are compared turn by turn, into the ledger:
+    an appended turn is `none`, a changed system text `system_changed`."""
+    c = client(oa)
+    kw = {"prompt_cache_key": "conversation-7"}
+    rid1, _ = chat(c, FIRST, **kw)
+    rid2, _ = chat(c, SECOND, **kw)
+    changed = [{"role": "system", "content": "Another system text. " * 10}, *SECOND[1:]]
+    rid3, _ = chat(c, changed, **kw)
+    rid4, _ = chat(c, changed)  # no key: not compared
+    reasons = [
+        (ledger(oa, r)["miss_reason"], ledger(oa, r)["miss_tokens"])
+        for r in (rid1, rid2, rid3, rid4)
+    ]
+    assert reasons[0] == (None, None) and reasons[1] == ("none", None)
+    assert reasons[2][0] == "system_changed" and reasons[2][1] > 0
+    assert reasons[3] == (None, None)

@@ -5,24 +5,29 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
-from starlette.concurrency import run_in_threadpool
 
 from cachepoint.gateway import streaming
 from cachepoint.gateway.accounting import attribution_of, bill, charge_for
-from cachepoint.gateway.api.common import answer, client_gone, declared, intake_full, resolved
+from cachepoint.gateway.api.common import (
+    answer,
+    client_gone,
+    declared,
+    diagnose_turn,
+    intake_full,
+    resolved,
+)
 from cachepoint.gateway.api.deps import BetasDep, MessageCallerDep, RequestIdDep, StateDep
 from cachepoint.gateway.api.limits import CountLimitDep, RateLimitDep
 from cachepoint.gateway.api.openapi import request_body
 from cachepoint.gateway.billing.ledger import Attribution
 from cachepoint.gateway.contract import context_edits
-from cachepoint.gateway.diagnostics import Diagnosed, session_of
+from cachepoint.gateway.diagnostics import session_of
 from cachepoint.gateway.dispatch import generate, open_watched, pick
 from cachepoint.gateway.errors import ApiError
 from cachepoint.gateway.fleet.routing import RouteRequest
@@ -183,7 +188,17 @@ async def create_message(
     except IntakeFull:
         raise intake_full(state) from None
     if prepared.fingerprint is not None:
-        prepared = await _diagnose(state, ctx, rid, body, prepared)
+        previous = body.diagnostics.previous_message_id if body.diagnostics else None
+        who = prepared.who
+        prepared = await diagnose_turn(
+            state,
+            ctx,
+            rid,
+            prepared,
+            opted_in=diagnostics_requested(body),
+            previous_id=previous,
+            session_id=session_of(who.session_id, who.user_id),
+        )
     claim: idempotency.Claim | None = None
     if key is not None:
         got = await idempotency.begin(
@@ -216,52 +231,6 @@ async def create_message(
         if claim is not None:
             await claim.release()
         raise
-
-
-async def _diagnose(
-    state: GatewayState, ctx: KeyContext, rid: str, body: MessagesRequest, prepared: Prepared
-) -> Prepared:
-    """Compare the fingerprint with the turn before, and keep it for the turns after:
-    the answer for a client that opted in, the reason for the ledger, the trace and the
-    metric. Memory answers most turns; the database (a worker thread) the turns this
-    gateway did not see. Diagnostics never fails a request: an error here answers
-    ``unavailable``, as Anthropic's does when it has no diagnosis."""
-    fp = prepared.fingerprint
-    assert fp is not None
-    prints = state.fingerprints
-    opted_in = diagnostics_requested(body)
-    who = prepared.who
-    ask = {
-        "org_id": ctx.org_id,
-        "workspace_id": ctx.workspace_id,
-        "fp": fp,
-        "opted_in": opted_in,
-        "previous_id": body.diagnostics.previous_message_id if body.diagnostics else None,
-        "session_id": session_of(who.session_id, who.user_id),
-        "api_key_id": ctx.key_id,
-    }
-    try:
-        d = prints.diagnose_recent(**ask)
-        if d is None:
-            d = await run_in_threadpool(lambda: prints.diagnose(**ask))
-    except Exception as exc:
-        log.warning("request %s: cache diagnostics failed: %r", rid, exc)
-        unavailable = {"cache_miss_reason": {"type": "unavailable"}}
-        d = Diagnosed(unavailable if ask["previous_id"] else None, "unavailable", None)
-    # NOTE: kept after the comparison (a turn is never compared with itself); its row
-    # is written with its ledger row (GatewayState.bill).
-    prints.remember(
-        f"msg_{rid.removeprefix('req_')}",
-        ctx.org_id,
-        ctx.workspace_id,
-        ask["session_id"],
-        ctx.key_id,
-        fp,
-    )
-    # NOTE: the reason is final at billing (`charge_of`), where what happened to the
-    # cache is known; it is counted and traced there.
-    who = replace(who, miss_reason=d.reason, miss_tokens=d.missed_tokens)
-    return replace(prepared, diagnosis=d.answer, who=who, previous=d.previous)
 
 
 async def _complete(

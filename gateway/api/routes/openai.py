@@ -24,7 +24,14 @@ from opentelemetry import trace
 
 from cachepoint.gateway import streaming
 from cachepoint.gateway.accounting import attribution_of, bill, charge_for
-from cachepoint.gateway.api.common import answer, client_gone, declared, intake_full, resolved
+from cachepoint.gateway.api.common import (
+    answer,
+    client_gone,
+    declared,
+    diagnose_turn,
+    intake_full,
+    resolved,
+)
 from cachepoint.gateway.api.deps import MessageCallerDep, RequestIdDep, StateDep
 from cachepoint.gateway.api.limits import OpenAIRateLimitDep
 from cachepoint.gateway.api.openapi import request_body
@@ -36,6 +43,7 @@ from cachepoint.gateway.contract.openai import (
     refuse,
     translate,
 )
+from cachepoint.gateway.diagnostics import session_of
 from cachepoint.gateway.dispatch import generate, open_watched, pick
 from cachepoint.gateway.fleet.routing import RouteRequest
 from cachepoint.gateway.intake import IntakeFull, read_body, trim_after
@@ -55,7 +63,7 @@ from cachepoint.gateway.schemas.openai import ChatCompletionRequest, CompletionR
 from cachepoint.gateway.state import GatewayState
 from cachepoint.gateway.streaming import StreamJob
 from cachepoint.gateway.streaming_openai import ChatChunks, TextChunks, openai_usage
-from cachepoint.gateway.tenancy import aliases
+from cachepoint.gateway.tenancy import aliases, idempotency
 from cachepoint.gateway.tenancy.tenants import KeyContext
 from cachepoint.protocol import CacheReport
 
@@ -77,6 +85,7 @@ def _options(state: GatewayState, t: Translated | None, clamp: bool) -> ApiOptio
         top_k=t.top_k if t is not None else None,
         ignore_eos=t.ignore_eos if t is not None else False,
         retain_24h=t.retain_24h if t is not None else False,
+        session=f"openai:{t.cache_key}" if t is not None and t.cache_key else None,
         clamp=True if clamp else None,
         implicit_min=state.settings.openai_min_cached_tokens,
     )
@@ -166,10 +175,47 @@ async def chat_completions(
         state.metrics.intake_seconds.labels("chat_completions").observe(time.perf_counter() - t0)
         span.set_attributes(render_attributes(prepared.rendered, prepared.plan))
     body = t.body
-    if chat.stream:
-        emitter = ChatChunks(_id("chatcmpl", rid), body.model, t.include_usage)
-        return await _stream(request, state, ctx, rid, body, prepared, t_start, emitter)
-    got = await _generate(request, state, ctx, rid, body, prepared, CHAT_PATH)
+    if prepared.fingerprint is not None:  # a session, or a prompt_cache_key as one
+        who = prepared.who
+        prepared = await diagnose_turn(
+            state,
+            ctx,
+            rid,
+            prepared,
+            opted_in=False,
+            previous_id=None,
+            session_id=session_of(who.session_id, who.user_id) or prepared.options.session,
+        )
+        if not prepared.options.retain_24h:
+            # NOTE: in_memory is best effort: a prefix the engine let go is not a
+            # miss to explain, only a prompt that changed is.
+            prepared = replace(prepared, previous=None)
+    claimed = await _claim(request, state, ctx, rid, "chat.completions", chat)
+    if isinstance(claimed, Response):
+        return claimed
+    try:
+        if chat.stream:
+            emitter = ChatChunks(_id("chatcmpl", rid), body.model, t.include_usage)
+            return await _stream(
+                request, state, ctx, rid, body, prepared, t_start, emitter, claimed
+            )
+        return await _chat_answer(request, state, ctx, rid, body, prepared, claimed)
+    except BaseException:
+        if claimed is not None:
+            await claimed.release()
+        raise
+
+
+async def _chat_answer(
+    request: Request,
+    state: GatewayState,
+    ctx: KeyContext,
+    rid: str,
+    body: MessagesRequest,
+    prepared: Prepared,
+    claim: idempotency.Claim | None,
+) -> Response:
+    got = await _generate(request, state, ctx, rid, body, prepared, CHAT_PATH, claim)
     if isinstance(got, Response):
         return got
     result, b, headers = got
@@ -209,7 +255,7 @@ async def chat_completions(
         "service_tier": "default",
         "system_fingerprint": None,
     }
-    return _done(state, out, headers)
+    return await _done(state, out, headers, claim)
 
 
 def _completion_job(
@@ -292,11 +338,34 @@ async def completions(
         )
         span.set_attributes(render_attributes(prepared.rendered, prepared.plan))
     body = _completion_body(model, req)
-    if req.stream:
-        opts = req.stream_options
-        emitter = TextChunks(_id("cmpl", rid), model, bool(opts and opts.include_usage))
-        return await _stream(request, state, ctx, rid, body, prepared, t_start, emitter)
-    got = await _generate(request, state, ctx, rid, body, prepared, COMPLETIONS_PATH)
+    claimed = await _claim(request, state, ctx, rid, "completions", req)
+    if isinstance(claimed, Response):
+        return claimed
+    try:
+        if req.stream:
+            opts = req.stream_options
+            emitter = TextChunks(_id("cmpl", rid), model, bool(opts and opts.include_usage))
+            return await _stream(
+                request, state, ctx, rid, body, prepared, t_start, emitter, claimed
+            )
+        return await _completion_answer(request, state, ctx, rid, body, prepared, claimed)
+    except BaseException:
+        if claimed is not None:
+            await claimed.release()
+        raise
+
+
+async def _completion_answer(
+    request: Request,
+    state: GatewayState,
+    ctx: KeyContext,
+    rid: str,
+    body: MessagesRequest,
+    prepared: Prepared,
+    claim: idempotency.Claim | None,
+) -> Response:
+    model = body.model
+    got = await _generate(request, state, ctx, rid, body, prepared, COMPLETIONS_PATH, claim)
     if isinstance(got, Response):
         return got
     result, b, headers = got
@@ -316,7 +385,7 @@ async def completions(
         "usage": openai_usage(b),
         "system_fingerprint": None,
     }
-    return _done(state, out, headers)
+    return await _done(state, out, headers, claim)
 
 
 # ---------------------------------------------------------------- shared
@@ -338,7 +407,8 @@ async def _generate(
     body: MessagesRequest,
     prepared: Prepared,
     path: str,
-) -> tuple[Any, Any, str] | Response:
+    claim: idempotency.Claim | None,
+) -> tuple[Any, Any, dict[str, str]] | Response:
     """One generation, collected and billed: (result, buckets, replica), or the
     response for a client that went away."""
     route = _route(ctx, body, prepared)
@@ -350,7 +420,9 @@ async def _generate(
         routed=pick(state, route),
         request=prepared.payload,
         limits=limits,
-        client_gone=request.is_disconnected,
+        # NOTE: as on the Messages API: with an idempotency key the generation runs to
+        # its end even if the client hangs up, so that its retry gets this result.
+        client_gone=None if claim is not None else request.is_disconnected,
     )
     if gen.cache is None:
         return client_gone(state, rid, "while queued or prefilling", path)
@@ -371,6 +443,7 @@ async def _stream(
     prepared: Prepared,
     t_start: float,
     emitter: ChatChunks | TextChunks,
+    claim: idempotency.Claim | None,
 ) -> Response:
     """Open the upstream and wait for its prefill (failures up to there are real HTTP
     errors), then relay it as OpenAI's stream."""
@@ -386,6 +459,8 @@ async def _stream(
         client_gone=request.is_disconnected,
     )
     if opened is None:
+        if claim is not None:
+            await claim.release()
         return client_gone(state, rid, "while queued or prefilling", request.url.path)
     job = StreamJob(
         state=state,
@@ -398,7 +473,7 @@ async def _stream(
         headers=_headers(opened.replica.name, opened.cache, prepared),
         t_start=t_start,
         t_open=t_open,
-        claim=None,
+        claim=claim,
         emitter=emitter,
     )
     return streaming.respond(job)
@@ -423,11 +498,49 @@ def _headers(replica: str, cache: CacheReport, prepared: Prepared) -> dict[str, 
     return out
 
 
-def _done(state: GatewayState, out: dict[str, Any], headers: dict[str, str]) -> Response:
+async def _done(
+    state: GatewayState,
+    out: dict[str, Any],
+    headers: dict[str, str],
+    claim: idempotency.Claim | None,
+) -> Response:
     # NOTE: the gateway-overhead histogram is the Messages path's (its bench's): not
     # observed here, where the upstream part is not split out of the total.
     state.metrics.requests.labels("ok").inc()
-    return JSONResponse(out, headers=headers)
+    response = JSONResponse(out, headers=headers)
+    if claim is not None:
+        await claim.complete(200, headers, bytes(response.body), "json")
+    return response
+
+
+async def _claim(
+    request: Request,
+    state: GatewayState,
+    ctx: KeyContext,
+    rid: str,
+    api: str,
+    body: ChatCompletionRequest | CompletionRequest,
+) -> idempotency.Claim | Response | None:
+    """With an ``Idempotency-Key``: this request's claim on it, or the first request's
+    recorded answer (a replay); None without one. As on the Messages API."""
+    key = idempotency.key_from(request)
+    if key is None:
+        return None
+    digest = await state.intake.run(ctx.org_id, idempotency.digest_of, api, body)
+    got = await idempotency.begin(
+        state.sessions.kw["bind"],
+        ctx,
+        key,
+        digest,
+        rid,
+        state.settings.upstream_timeout_s,
+        request.is_disconnected,
+        lease_s=state.settings.idempotency_lease_s,
+        bill_cut=state.bill,
+    )
+    if isinstance(got, idempotency.Recorded):
+        return got.response()
+    return got
 
 
 def _id(prefix: str, rid: str) -> str:
