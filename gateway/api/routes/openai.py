@@ -14,14 +14,15 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 
+from cachepoint.billing import Buckets
 from cachepoint.gateway import streaming
 from cachepoint.gateway.accounting import attribution_of, bill, charge_for
 from cachepoint.gateway.api.common import (
@@ -65,7 +66,7 @@ from cachepoint.gateway.streaming import StreamJob
 from cachepoint.gateway.streaming_openai import ChatChunks, TextChunks, openai_usage
 from cachepoint.gateway.tenancy import aliases, idempotency
 from cachepoint.gateway.tenancy.tenants import KeyContext
-from cachepoint.protocol import CacheReport
+from cachepoint.protocol import CacheReport, GenerateResponse
 
 log = logging.getLogger(__name__)
 
@@ -190,36 +191,14 @@ async def chat_completions(
             # NOTE: in_memory is best effort: a prefix the engine let go is not a
             # miss to explain, only a prompt that changed is.
             prepared = replace(prepared, previous=None)
-    claimed = await _claim(request, state, ctx, rid, "chat.completions", chat)
-    if isinstance(claimed, Response):
-        return claimed
-    try:
-        if chat.stream:
-            emitter = ChatChunks(_id("chatcmpl", rid), body.model, t.include_usage)
-            return await _stream(
-                request, state, ctx, rid, body, prepared, t_start, emitter, claimed
-            )
-        return await _chat_answer(request, state, ctx, rid, body, prepared, claimed)
-    except BaseException:
-        if claimed is not None:
-            await claimed.release()
-        raise
+    call = _Call(request, state, ctx, rid, body, prepared, t_start)
+    stream = ChatChunks(_id("chatcmpl", rid), body.model, t.include_usage) if chat.stream else None
+    return await _run(call, "chat.completions", chat, stream, _chat_completion)
 
 
-async def _chat_answer(
-    request: Request,
-    state: GatewayState,
-    ctx: KeyContext,
-    rid: str,
-    body: MessagesRequest,
-    prepared: Prepared,
-    claim: idempotency.Claim | None,
-) -> Response:
-    got = await _generate(request, state, ctx, rid, body, prepared, CHAT_PATH, claim)
-    if isinstance(got, Response):
-        return got
-    result, b, headers = got
-    content, stop_reason, _ = answer(body, result, prepared.forcing)
+def _chat_completion(call: _Call, result: GenerateResponse, b: Buckets) -> dict[str, Any]:
+    """The collected answer as OpenAI's ``chat.completion``: text, and tool calls."""
+    content, stop_reason, _ = answer(call.body, result, call.prepared.forcing)
     text = "".join(getattr(c, "text", "") for c in content)
     calls = [
         {
@@ -238,11 +217,11 @@ async def _chat_answer(
     }
     if calls:
         message["tool_calls"] = calls
-    out = {
-        "id": _id("chatcmpl", rid),
+    return {
+        "id": _id("chatcmpl", call.rid),
         "object": "chat.completion",
         "created": int(time.time()),
-        "model": body.model,
+        "model": call.body.model,
         "choices": [
             {
                 "index": 0,
@@ -255,7 +234,6 @@ async def _chat_answer(
         "service_tier": "default",
         "system_fingerprint": None,
     }
-    return await _done(state, out, headers, claim)
 
 
 def _completion_job(
@@ -338,42 +316,20 @@ async def completions(
         )
         span.set_attributes(render_attributes(prepared.rendered, prepared.plan))
     body = _completion_body(model, req)
-    claimed = await _claim(request, state, ctx, rid, "completions", req)
-    if isinstance(claimed, Response):
-        return claimed
-    try:
-        if req.stream:
-            opts = req.stream_options
-            emitter = TextChunks(_id("cmpl", rid), model, bool(opts and opts.include_usage))
-            return await _stream(
-                request, state, ctx, rid, body, prepared, t_start, emitter, claimed
-            )
-        return await _completion_answer(request, state, ctx, rid, body, prepared, claimed)
-    except BaseException:
-        if claimed is not None:
-            await claimed.release()
-        raise
+    call = _Call(request, state, ctx, rid, body, prepared, t_start)
+    opts = req.stream_options
+    usage = bool(opts and opts.include_usage)
+    stream = TextChunks(_id("cmpl", rid), model, usage) if req.stream else None
+    return await _run(call, "completions", req, stream, _text_completion)
 
 
-async def _completion_answer(
-    request: Request,
-    state: GatewayState,
-    ctx: KeyContext,
-    rid: str,
-    body: MessagesRequest,
-    prepared: Prepared,
-    claim: idempotency.Claim | None,
-) -> Response:
-    model = body.model
-    got = await _generate(request, state, ctx, rid, body, prepared, COMPLETIONS_PATH, claim)
-    if isinstance(got, Response):
-        return got
-    result, b, headers = got
-    out = {
-        "id": _id("cmpl", rid),
+def _text_completion(call: _Call, result: GenerateResponse, b: Buckets) -> dict[str, Any]:
+    """The collected answer as OpenAI's ``text_completion``."""
+    return {
+        "id": _id("cmpl", call.rid),
         "object": "text_completion",
         "created": int(time.time()),
-        "model": model,
+        "model": call.body.model,
         "choices": [
             {
                 "index": 0,
@@ -385,10 +341,55 @@ async def _completion_answer(
         "usage": openai_usage(b),
         "system_fingerprint": None,
     }
-    return await _done(state, out, headers, claim)
 
 
 # ---------------------------------------------------------------- shared
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """One prepared request on its way to an answer."""
+
+    request: Request  # the client's (disconnects, headers, path)
+    state: GatewayState
+    ctx: KeyContext  # who pays
+    rid: str  # the gateway's request id
+    body: MessagesRequest  # the request as the Messages pipeline reads it
+    prepared: Prepared  # rendered, planned, with OpenAI's options
+    t_start: float  # perf_counter at arrival
+
+
+async def _run(
+    call: _Call,
+    api: str,
+    parsed: ChatCompletionRequest | CompletionRequest,
+    stream: ChatChunks | TextChunks | None,
+    shape: Callable[[_Call, GenerateResponse, Buckets], dict[str, Any]],
+) -> Response:
+    """Claim the idempotency key (or replay its answer), then stream or collect the
+    generation and answer in OpenAI's shape (``shape``); the key is released when
+    anything fails before the answer is recorded."""
+    claim = await _claim(call, api, parsed)
+    if isinstance(claim, Response):
+        return claim
+    try:
+        if stream is not None:
+            return await _stream(call, stream, claim)
+        got = await _generate(call, claim)
+        if isinstance(got, Response):
+            return got
+        result, b, headers = got
+        call.state.metrics.requests.labels("ok").inc()
+        # NOTE: the gateway-overhead histogram is the Messages path's (its bench's):
+        # not observed here, where the upstream part is not split out of the total.
+        response = JSONResponse(shape(call, result, b), headers=headers)
+        if claim is not None:
+            await claim.complete(200, headers, bytes(response.body), "json")
+        return response
+    except BaseException:
+        if claim is not None:
+            await claim.release()
+        raise
 
 
 def _completion_body(model: str, req: CompletionRequest) -> MessagesRequest:
@@ -400,18 +401,12 @@ def _completion_body(model: str, req: CompletionRequest) -> MessagesRequest:
 
 
 async def _generate(
-    request: Request,
-    state: GatewayState,
-    ctx: KeyContext,
-    rid: str,
-    body: MessagesRequest,
-    prepared: Prepared,
-    path: str,
-    claim: idempotency.Claim | None,
-) -> tuple[Any, Any, dict[str, str]] | Response:
-    """One generation, collected and billed: (result, buckets, replica), or the
+    call: _Call, claim: idempotency.Claim | None
+) -> tuple[GenerateResponse, Buckets, dict[str, str]] | Response:
+    """One generation, collected and billed: (result, buckets, headers), or the
     response for a client that went away."""
-    route = _route(ctx, body, prepared)
+    state, prepared, path = call.state, call.prepared, call.request.url.path
+    route = _route(call.ctx, call.body, prepared)
     limits = ReportLimits.of(prepared)
     t_up = time.perf_counter()
     gen = await generate(
@@ -422,32 +417,25 @@ async def _generate(
         limits=limits,
         # NOTE: as on the Messages API: with an idempotency key the generation runs to
         # its end even if the client hangs up, so that its retry gets this result.
-        client_gone=None if claim is not None else request.is_disconnected,
+        client_gone=None if claim is not None else call.request.is_disconnected,
     )
     if gen.cache is None:
-        return client_gone(state, rid, "while queued or prefilling", path)
+        return client_gone(state, call.rid, "while queued or prefilling", path)
     b = buckets_of(gen.cache, gen.output_tokens, limits)
-    await bill(state, charge_for(state, rid, ctx, body, gen.replica, prepared, b))
+    await bill(state, charge_for(state, call.rid, call.ctx, call.body, gen.replica, prepared, b))
     if gen.result is None:
-        return client_gone(state, rid, f"after {gen.output_tokens} output tokens", path)
+        return client_gone(state, call.rid, f"after {gen.output_tokens} output tokens", path)
     state.metrics.upstream_seconds.observe(time.perf_counter() - t_up)
     return gen.result, b, _headers(gen.replica, gen.cache, prepared)
 
 
 async def _stream(
-    request: Request,
-    state: GatewayState,
-    ctx: KeyContext,
-    rid: str,
-    body: MessagesRequest,
-    prepared: Prepared,
-    t_start: float,
-    emitter: ChatChunks | TextChunks,
-    claim: idempotency.Claim | None,
+    call: _Call, emitter: ChatChunks | TextChunks, claim: idempotency.Claim | None
 ) -> Response:
     """Open the upstream and wait for its prefill (failures up to there are real HTTP
     errors), then relay it as OpenAI's stream."""
-    route = _route(ctx, body, prepared)
+    state, prepared = call.state, call.prepared
+    route = _route(call.ctx, call.body, prepared)
     limits = ReportLimits.of(prepared)
     t_open = time.perf_counter()
     opened = await open_watched(
@@ -456,22 +444,22 @@ async def _stream(
         routed=pick(state, route),
         request=prepared.payload,
         limits=limits,
-        client_gone=request.is_disconnected,
+        client_gone=call.request.is_disconnected,
     )
     if opened is None:
         if claim is not None:
             await claim.release()
-        return client_gone(state, rid, "while queued or prefilling", request.url.path)
+        return client_gone(state, call.rid, "while queued or prefilling", call.request.url.path)
     job = StreamJob(
         state=state,
-        ctx=ctx,
-        body=body,
-        rid=rid,
+        ctx=call.ctx,
+        body=call.body,
+        rid=call.rid,
         prepared=prepared,
         limits=limits,
         opened=opened,
         headers=_headers(opened.replica.name, opened.cache, prepared),
-        t_start=t_start,
+        t_start=call.t_start,
         t_open=t_open,
         claim=claim,
         emitter=emitter,
@@ -484,9 +472,8 @@ def _route(ctx: KeyContext, body: MessagesRequest, prepared: Prepared) -> RouteR
     never steers one org's requests by another's."""
     key = prepared.who.cache_key
     affinity = f"org:{ctx.org_id}:{key}" if key is not None else None
-    return RouteRequest(
-        prepared.rendered.tokens, prepared.plan.key_spans, body.model, affinity=affinity
-    )
+    tokens, spans = prepared.rendered.tokens, prepared.plan.key_spans
+    return RouteRequest(tokens, spans, body.model, affinity=affinity)
 
 
 def _headers(replica: str, cache: CacheReport, prepared: Prepared) -> dict[str, str]:
@@ -498,31 +485,12 @@ def _headers(replica: str, cache: CacheReport, prepared: Prepared) -> dict[str, 
     return out
 
 
-async def _done(
-    state: GatewayState,
-    out: dict[str, Any],
-    headers: dict[str, str],
-    claim: idempotency.Claim | None,
-) -> Response:
-    # NOTE: the gateway-overhead histogram is the Messages path's (its bench's): not
-    # observed here, where the upstream part is not split out of the total.
-    state.metrics.requests.labels("ok").inc()
-    response = JSONResponse(out, headers=headers)
-    if claim is not None:
-        await claim.complete(200, headers, bytes(response.body), "json")
-    return response
-
-
 async def _claim(
-    request: Request,
-    state: GatewayState,
-    ctx: KeyContext,
-    rid: str,
-    api: str,
-    body: ChatCompletionRequest | CompletionRequest,
+    call: _Call, api: str, body: ChatCompletionRequest | CompletionRequest
 ) -> idempotency.Claim | Response | None:
     """With an ``Idempotency-Key``: this request's claim on it, or the first request's
     recorded answer (a replay); None without one. As on the Messages API."""
+    request, state, ctx = call.request, call.state, call.ctx
     key = idempotency.key_from(request)
     if key is None:
         return None
@@ -532,7 +500,7 @@ async def _claim(
         ctx,
         key,
         digest,
-        rid,
+        call.rid,
         state.settings.upstream_timeout_s,
         request.is_disconnected,
         lease_s=state.settings.idempotency_lease_s,
