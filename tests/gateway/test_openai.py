@@ -529,3 +529,36 @@ def test_a_prompt_cache_key_is_diagnosed_like_a_session(oa):
     assert reasons[0] == (None, None) and reasons[1] == ("none", None)
     assert reasons[2][0] == "system_changed" and reasons[2][1] > 0
     assert reasons[3] == (None, None)
+
+
+def test_an_image_part_is_degraded_as_on_the_messages_path(oa):
+    png = (  # a 1x1 PNG
+        "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJ"
+        "RU5ErkJggg=="
+    )
+    parts = [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}},
+    ]
+    raw = client(oa).chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": parts}], max_completion_tokens=2
+    )
+    assert raw.headers["cachepoint-degraded"] == "images"
+    assert raw.parse().choices[0].finish_reason in ("stop", "length")
+
+
+def test_no_replica_to_take_it_is_a_503_in_openais_envelope(seeded_db, serve, free_port):
+    """The Messages API's 529 (overloaded) is the 503 OpenAI's clients know."""
+    from cachepoint.gateway.app import create_app
+    from cachepoint.gateway.settings import GatewaySettings
+
+    db, keys = seeded_db
+    gone = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    settings = GatewaySettings(database_url=db, replica_urls=[gone], models=[MODEL])
+    c = openai.OpenAI(
+        base_url=f"{serve(create_app(settings))}/v1", api_key=keys["a"], max_retries=0
+    )
+    with pytest.raises(openai.InternalServerError) as exc:
+        c.chat.completions.create(model=MODEL, messages=FIRST, max_completion_tokens=1)
+    assert exc.value.status_code == 503
+    assert exc.value.body["type"] == "server_error" and exc.value.body["code"] == "overloaded"
