@@ -68,6 +68,17 @@ class Prepared:
     # and caching contract); MESSAGES for the Messages API
     options: ApiOptions = field(default_factory=lambda: MESSAGES)
 
+    @property
+    def session(self) -> str | None:
+        """The session cache diagnostics compare this turn within (`session_for`)."""
+        return session_for(self.who, self.options)
+
+
+def session_for(who: Attribution, options: ApiOptions) -> str | None:
+    """Claude Code's session (header or ``metadata.user_id``), else the one another
+    API's request names (OpenAI's prompt_cache_key): what a turn is diagnosed within."""
+    return session_of(who.session_id, who.user_id) or options.session
+
 
 def tenant_key(ctx: KeyContext, settings: GatewaySettings) -> str:
     if settings.tenant_scope == "workspace" and ctx.workspace_id:
@@ -215,8 +226,7 @@ def prepare(
         rendered, plan, req.model, req.max_tokens, sampling, ctx, settings, request_id, options
     )
     fp = None
-    sessioned = session_of(who.session_id, who.user_id) or options.session
-    if diagnostics_requested(req) or sessioned:
+    if diagnostics_requested(req) or session_for(who, options):
         last = max(plan.breakpoints, key=lambda bp: bp.position, default=None)
         cached_end = last.position if last else 0
         if options.implicit_min is not None and last is None:

@@ -27,7 +27,6 @@ from cachepoint.gateway.api.limits import CountLimitDep, RateLimitDep
 from cachepoint.gateway.api.openapi import request_body
 from cachepoint.gateway.billing.ledger import Attribution
 from cachepoint.gateway.contract import context_edits
-from cachepoint.gateway.diagnostics import session_of
 from cachepoint.gateway.dispatch import generate, open_watched, pick
 from cachepoint.gateway.errors import ApiError
 from cachepoint.gateway.fleet.routing import RouteRequest
@@ -189,7 +188,6 @@ async def create_message(
         raise intake_full(state) from None
     if prepared.fingerprint is not None:
         previous = body.diagnostics.previous_message_id if body.diagnostics else None
-        who = prepared.who
         prepared = await diagnose_turn(
             state,
             ctx,
@@ -197,7 +195,7 @@ async def create_message(
             prepared,
             opted_in=diagnostics_requested(body),
             previous_id=previous,
-            session_id=session_of(who.session_id, who.user_id),
+            session_id=prepared.session,
         )
     claim: idempotency.Claim | None = None
     if key is not None:

@@ -44,7 +44,6 @@ from cachepoint.gateway.contract.openai import (
     refuse,
     translate,
 )
-from cachepoint.gateway.diagnostics import session_of
 from cachepoint.gateway.dispatch import generate, open_watched, pick
 from cachepoint.gateway.fleet.routing import RouteRequest
 from cachepoint.gateway.intake import IntakeFull, read_body, trim_after
@@ -177,7 +176,6 @@ async def chat_completions(
         span.set_attributes(render_attributes(prepared.rendered, prepared.plan))
     body = t.body
     if prepared.fingerprint is not None:  # a session, or a prompt_cache_key as one
-        who = prepared.who
         prepared = await diagnose_turn(
             state,
             ctx,
@@ -185,7 +183,7 @@ async def chat_completions(
             prepared,
             opted_in=False,
             previous_id=None,
-            session_id=session_of(who.session_id, who.user_id) or prepared.options.session,
+            session_id=prepared.session,
         )
         if not prepared.options.retain_24h:
             # NOTE: in_memory is best effort: a prefix the engine let go is not a
