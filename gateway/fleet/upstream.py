@@ -113,7 +113,7 @@ class ReplicaClient:
         # it becomes one typed error for the relay to report, not an httpx exception
         # escaping into the ASGI server.
         try:
-            lines = resp.aiter_lines()
+            lines = _ndjson_lines(resp)
             async for line in lines:
                 if not line:
                     continue
@@ -135,3 +135,20 @@ class ReplicaClient:
             if exc.reports_usage:
                 raise UsageReportError(f"unreadable event: {exc.detail}") from exc
             raise ReplicaStreamError(self.name, f"unreadable event: {exc.detail}") from exc
+
+
+async def _ndjson_lines(resp: httpx.Response) -> AsyncIterator[bytes]:
+    """The body's lines, split on ``\\n`` alone.
+
+    NOTE: not ``resp.aiter_lines()``: httpx splits as ``str.splitlines`` does, so a
+    token whose text holds U+2028, U+2029 or U+0085 (JSON leaves them unescaped) cut
+    its event in two and failed the whole generation as an unreadable event. Seen in
+    CI with the random-weights model; any model's byte-level vocabulary can emit them.
+    """
+    tail = b""
+    async for chunk in resp.aiter_bytes():
+        *whole, tail = (tail + chunk).split(b"\n")
+        for line in whole:
+            yield line
+    if tail:
+        yield tail  # a last line without its newline: still decoded, and refused if cut

@@ -109,7 +109,9 @@ def scripted_replica(script: Script) -> FastAPI:
             return result
 
         def line(obj: object) -> bytes:
-            return (json.dumps(obj) + "\n").encode()
+            # NOTE: raw UTF-8, as the real replica writes it (pydantic leaves U+2028
+            # and U+0085 unescaped), not json.dumps's ASCII escapes.
+            return (json.dumps(obj, ensure_ascii=False) + "\n").encode()
 
         async def lines() -> Any:
             script.sent[rid] = 0

@@ -287,3 +287,24 @@ def test_a_client_leaving_a_pinged_stream_is_billed_what_it_was_sent(gateway_for
     stopped_at = script.sent[rid]
     time.sleep(0.8)
     assert script.sent[rid] == stopped_at < 50 and rid not in script.finished
+
+
+# ------------------------------------------------------------ line separators in text
+
+# NOTE: JSON leaves these unescaped, and str.splitlines (httpx's aiter_lines) breaks a
+# line at each: a token carrying one used to cut the replica's event in two and fail the
+# generation as "unreadable event" (seen in CI with the random-weights model).
+SEPARATORS = ["a\u2028b", "\u2029", "c\x85", "\x1c\x1d\x1e", "\x0b\x0c", "\r", "d"]
+
+
+def test_line_separators_in_token_text_reach_the_client_intact(gateway_for):
+    gw = gateway_for(Script(texts=SEPARATORS, once=True, stop_reason="end_turn"))
+    client = gw.client()
+    ask = {**ASK, "max_tokens": len(SEPARATORS)}
+    msg = client.messages.create(**ask)
+    assert msg.content[0].text == "".join(SEPARATORS)
+    assert msg.usage.output_tokens == len(SEPARATORS)
+    with client.messages.stream(**ask) as stream:
+        streamed = "".join(stream.text_stream)
+    assert streamed == "".join(SEPARATORS)
+    assert len(gw.wait_rows(2)) == 2  # both billed
