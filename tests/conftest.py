@@ -32,6 +32,11 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 SHARED = ("vllm_replica", "default_stack")
 
 
+# NOTE: tryfirst: the marks must be on the items before xdist's worker reads them in its
+# own collection hook. And pytest stays below 9.2 (pyproject.toml): from 9.2 xdist 3.8's
+# loadgroup renames node ids that pytest no longer reads (pytest-xdist#1386), so every
+# module was spread over both workers, its module fixtures built twice.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         # NOTE: a test that reaches a shared fixture through request.getfixturevalue (the
