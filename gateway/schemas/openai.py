@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from cachepoint.gateway.schemas.messages import reject_lone_surrogates
+from cachepoint.protocol import SEED_MAX, SEED_MIN
 
 
 class _Model(BaseModel):
@@ -164,7 +165,7 @@ class _Sampling(_Model):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     n: StrictInt | None = Field(None, ge=1, le=128)
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None

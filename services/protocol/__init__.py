@@ -21,6 +21,8 @@ from cachepoint.protocol.events import (
     event_name,
 )
 from cachepoint.protocol.request import (
+    SEED_MAX,
+    SEED_MIN,
     BreakpointIn,
     GenerateRequest,
     KeySpanIn,
@@ -46,6 +48,8 @@ from cachepoint.protocol.version import (
 __all__ = [
     "EVENT_TYPES",
     "PROTOCOL_VERSION",
+    "SEED_MAX",
+    "SEED_MIN",
     "STOP_REASONS",
     "VERSION_HEADER",
     "VERSION_MISMATCH_STATUS",

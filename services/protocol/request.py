@@ -14,6 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from cachepoint.kvcore import MAX_LOOKBACK_BOUNDARIES
 from cachepoint.kvcore.limits import MAX_BREAKPOINTS, MAX_EXTRA_KEYS, MAX_KEY_SPANS
 
+SEED_MIN = -(2**63)  # a sampling seed's range: a signed 64-bit integer
+SEED_MAX = 2**63 - 1
+
 # NOTE: "24h" is OpenAI's extended retention (prompt_cache_retention), which the
 # gateway sends only for its OpenAI endpoints; the Messages API has 5m and 1h.
 TtlLabel = Literal["5m", "1h", "24h"]
@@ -70,7 +73,9 @@ class GenerateRequest(_Strict):
         description="ids that end the turn like EOS (stop_reason end_turn), even with "
         "ignore_eos; checked against the vocabulary",
     )
-    seed: int | None = None
+    # NOTE: int64, OpenAI's range and one that every engine's generator takes (torch's
+    # manual_seed refused -2**63 - 1 with a 500).
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     ignore_eos: bool = False
     stream: bool = False
     priority: int = Field(

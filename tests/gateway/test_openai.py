@@ -200,6 +200,16 @@ def test_the_legacy_completions_endpoint_takes_text_and_token_ids(oa):
     assert all(ch.object == "text_completion" for ch in chunks)
 
 
+@pytest.mark.parametrize("bad", [-1, 10**6, 2**31, 2**63])
+def test_a_token_id_outside_the_vocabulary_is_a_400_naming_the_prompt(oa, bad):
+    # NOTE: 2**31 was a 500 (found by schemathesis): it overflowed the prompt's array.
+    with pytest.raises(openai.BadRequestError) as exc:
+        client(oa).completions.create(model=MODEL, prompt=[65, bad], max_tokens=2)
+    err = exc.value.body
+    assert err["param"] == "prompt" and err["type"] == "invalid_request_error"
+    assert f"token id {bad} is out of vocabulary (0.." in err["message"]
+
+
 def test_models_list_parses_in_both_sdks(oa):
     ids = [m.id for m in client(oa).models.list()]
     assert MODEL in ids
@@ -217,6 +227,9 @@ def test_models_list_parses_in_both_sdks(oa):
         ({"presence_penalty": 0.5}, "presence_penalty", "other than 0"),
         ({"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty", "other than 1"),
         ({"reasoning_effort": "low"}, "reasoning_effort", "not supported with this model"),
+        # NOTE: int64; -2**63 - 1 reached torch's manual_seed and was a 500
+        ({"seed": -(2**63) - 1}, "seed", "greater than or equal to -9223372036854775808"),
+        ({"seed": 2**63}, "seed", "less than or equal to 9223372036854775807"),
     ],
 )
 def test_what_cannot_be_honoured_is_a_400_naming_it(oa, extra, param, words):

@@ -92,8 +92,10 @@ def _request(**extra: object) -> dict[str, object]:
             [{"position": 4000, "boundaries": list(range(1, MAX_LOOKBACK_BOUNDARIES))}],
             [{"position": 4000, "boundaries": list(range(1, MAX_LOOKBACK_BOUNDARIES + 1))}],
         ),
+        ("seed", -(2**63), -(2**63) - 1),
+        ("seed", 2**63 - 1, 2**63),
     ],
-    ids=["breakpoints", "key-spans", "extra-keys", "boundaries"],
+    ids=["breakpoints", "key-spans", "extra-keys", "boundaries", "seed-min", "seed-max"],
 )
 def test_a_request_at_a_kvcore_limit_passes_and_one_past_it_is_refused(
     field: str, at_limit: object, over_limit: object

@@ -260,8 +260,12 @@ def _completion_job(
         tokens = list(prompt)
         if not tokens:
             raise refuse("prompt", "the prompt is empty")
-        if any(t < 0 for t in tokens):
-            raise refuse("prompt", "token ids must be non-negative")
+        # NOTE: as vLLM does, ids are checked against the tokenizer's vocabulary here:
+        # an id past it would fail deeper (a 32-bit overflow in the prompt's array).
+        vocab = state.renderer.tokenizer.vocab_size
+        bad = next((t for t in tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise refuse("prompt", f"token id {bad} is out of vocabulary (0..{vocab - 1})")
     return req, tokens
 
 
