@@ -148,12 +148,11 @@ $(NODE_STAMP): tests/clients/package.json tests/clients/package-lock.json
 clients: $(NODE_STAMP)  ## install Claude Code and the TypeScript SDK into .tools/node
 
 # NOTE: two xdist workers, whole modules at a time (tests/conftest.py): on two cores the
-# suite spends much of its time waiting on processes and sockets. The groups with slow
-# tests go first, in the order conftest.py gives them (--no-loadscope-reorder).
+# suite spends much of its time waiting on processes and sockets.
 PYTEST_WORKERS ?= 2
 
 pytest: $(STAMP) $(VLLM_STAMP) $(HELM) $(NODE_STAMP)  ## the whole pytest suite (slow tests included)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup
 
 # NOTE: every install `make test` needs, side by side: three venvs, npm and helm are
 # independent and spend much of their time unpacking, so together they take about the

@@ -47,21 +47,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         uses = getattr(item, "fixturenames", ())
         shared = next((name for name in SHARED if name in uses), None)
         item.add_marker(pytest.mark.xdist_group(shared or item.nodeid.split("::", 1)[0]))
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        # NOTE: the groups that hold a slow test go first (a stable sort: each group
-        # keeps its order). The Makefile passes --no-loadscope-reorder, so xdist hands
-        # the groups out in this order; its default, most tests first, puts the long
-        # one-test vLLM groups last, where one of them can leave a worker running
-        # alone. Longest first is the usual cure; measured here it was a wash
-        # (16m22s and 16m36s), and the two workers now end within seconds.
-        slow = {_group(item) for item in items if item.get_closest_marker("slow")}
-        items.sort(key=lambda item: _group(item) not in slow)
-
-
-def _group(item: pytest.Item) -> str:
-    """The group xdist schedules ``item`` in (its marks' names, as xdist joins them)."""
-    marks = item.iter_markers("xdist_group")
-    return "_".join(sorted({str(m.args[0] if m.args else m.kwargs["name"]) for m in marks}))
 
 
 # ---------------------------------------------------------------- shared fixtures
