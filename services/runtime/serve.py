@@ -191,6 +191,18 @@ def serve(
     import uvicorn
 
     configure_logging(log_level, log_format)
+    # NOTE: the port is bound first, before the app is built: uvicorn alone binds only
+    # after the lifespan startup (a vLLM replica's takes 30 s or more), and a port
+    # chosen for this process (`cachepoint up`'s free_port) was taken meanwhile, by
+    # vLLM's own ephemeral sockets among others: the replica then exited 3 ("address
+    # already in use"). Seen in CI. A bound port is never given out by the kernel for
+    # another bind to port 0 or a connect. It is not listening yet, so connections are
+    # refused (not queued for 30 s) until uvicorn listens, as before.
+    try:
+        sock = _bind(host, port)
+    except OSError as exc:
+        print(f"cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+        return 3
     app = app_factory()
     # NOTE: in JSON, uvicorn's own lines go through the root handler too (log_config
     # None); in text it keeps its usual format.
@@ -220,7 +232,7 @@ def serve(
     gc.freeze()
     try:
         with contextlib.suppress(KeyboardInterrupt):  # as uvicorn.run does
-            server.run()
+            server.run(sockets=[sock])
     except SystemExit:
         # NOTE: uvicorn exits (3) itself when the app's startup fails; a StartupError's
         # message is the whole story, so it replaces uvicorn's exit.
@@ -231,6 +243,25 @@ def serve(
         return 2
     finally:
         logging.getLogger("uvicorn.error").removeFilter(hide)
+        sock.close()
     if not server.started and exit_code == 0:
         sys.exit(3)  # as uvicorn.run does (its STARTUP_FAILURE): the app never came up
     return exit_code
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` as uvicorn binds one (SO_REUSEADDR; IPv6 for
+    an address with a colon), not yet listening."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    # NOTE: a process forked from here on (vLLM's engine core and workers) must not
+    # hold the server's socket: its copy would keep the port taken after this process
+    # dies, and a restart on the same port would fail.
+    os.register_at_fork(after_in_child=sock.close)
+    return sock

@@ -11,11 +11,13 @@ import cachepoint.runtime.serve
 from cachepoint.runtime.serve import serve
 
 
-def test_serve_freezes_the_startup_heap(monkeypatch):
+def test_serve_freezes_the_startup_heap(monkeypatch, free_port):
     seen = {}
+    port = free_port()
 
-    def fake_run(server: uvicorn.Server) -> None:
+    def fake_run(server: uvicorn.Server, sockets=None) -> None:
         seen["config"] = server.config
+        seen["sockets"] = [s.getsockname() for s in sockets]
         seen["frozen"] = gc.get_freeze_count()
         server.started = True
 
@@ -26,22 +28,24 @@ def test_serve_freezes_the_startup_heap(monkeypatch):
     )
     marker = object()
     try:
-        assert serve(lambda: marker, "127.0.0.1", 1234, "warning") == 0
+        assert serve(lambda: marker, "127.0.0.1", port, "warning") == 0
     finally:
         gc.unfreeze()  # the rest of the test session must not inherit it
     config = seen["config"]
     assert config.app is marker
     assert seen["frozen"] > 0
-    assert (config.host, config.port, config.log_level) == ("127.0.0.1", 1234, "warning")
+    assert (config.host, config.port, config.log_level) == ("127.0.0.1", port, "warning")
+    # uvicorn is handed the socket serve() bound, not left to bind its own.
+    assert seen["sockets"] == [("127.0.0.1", port)]
     assert seen["log"] == ("warning", "text")
 
 
-def test_serve_returns_the_code_the_app_asked_to_exit_with(monkeypatch):
+def test_serve_returns_the_code_the_app_asked_to_exit_with(monkeypatch, free_port):
     class App:
         class state:  # stands in for FastAPI's app.state
             pass
 
-    def fake_run(server: uvicorn.Server) -> None:
+    def fake_run(server: uvicorn.Server, sockets=None) -> None:
         server.started = True
         App.state.request_exit(70)  # what the replica's watchdog calls on loop death
         assert server.should_exit
@@ -60,7 +64,7 @@ def test_serve_returns_the_code_the_app_asked_to_exit_with(monkeypatch):
     monkeypatch.setattr(cachepoint.runtime.serve.threading, "Timer", FakeTimer)
     monkeypatch.setattr(cachepoint.runtime.serve, "configure_logging", lambda *a: None)
     try:
-        assert serve(App, "127.0.0.1", 1234, "warning", exit_grace_s=7) == 70
+        assert serve(App, "127.0.0.1", free_port(), "warning", exit_grace_s=7) == 70
     finally:
         gc.unfreeze()
     # A shutdown that hangs still ends the process, with the same code.
@@ -133,3 +137,57 @@ def test_listening_is_set_once_the_port_accepts_not_during_the_lifespan(monkeypa
         "connect_in_startup": "refused (ConnectionRefusedError)",
         "connect_when_set": "accepted",
     }
+
+
+def test_the_port_is_held_while_the_app_is_built(monkeypatch, free_port):
+    """`cachepoint up` picks a free port for each replica; a vLLM replica takes 30 s or
+    more to build its app, and uvicorn alone binds only after that: the port was taken
+    meanwhile (vLLM opens ephemeral sockets of its own) and the replica exited 3 with
+    "address already in use" (seen in CI). serve() binds first."""
+    import socket
+
+    def taken(port: int) -> bool:
+        # NOTE: a plain bind, as another process's would be; a port given out for an
+        # ephemeral bind (port 0) or connect is never one that is bound.
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return True
+        return False
+
+    port = free_port()
+    seen = {}
+
+    def factory() -> object:
+        seen["held_while_building"] = taken(port)
+        return object()
+
+    def fake_run(server: uvicorn.Server, sockets=None) -> None:
+        server.started = True
+
+    monkeypatch.setattr(uvicorn.Server, "run", fake_run)
+    monkeypatch.setattr(cachepoint.runtime.serve, "configure_logging", lambda *a: None)
+    try:
+        assert serve(factory, "127.0.0.1", port, "warning") == 0
+    finally:
+        gc.unfreeze()
+    assert seen == {"held_while_building": True}
+    assert not taken(port)  # and released once served
+
+
+def test_a_port_in_use_is_one_clear_line_and_exit_3(monkeypatch, free_port, capsys):
+    import socket
+
+    port = free_port()
+    built = []
+    monkeypatch.setattr(cachepoint.runtime.serve, "configure_logging", lambda *a: None)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        assert serve(lambda: built.append(1), "127.0.0.1", port, "warning") == 3
+    # Nothing was built: a replica does not load its model for a port it cannot serve.
+    assert built == []
+    err = capsys.readouterr().err
+    assert err.startswith(f"cannot listen on 127.0.0.1:{port}: ")
+    assert "in use" in err and "Traceback" not in err
