@@ -112,3 +112,89 @@ def test_a_spin_count_that_is_not_a_number_is_refused_before_any_server_starts(c
         sb.main(["--servers", "torch", "--loads", "agent", "--gomp-spincount", "lots"])
     assert exc.value.code == 2
     assert "--gomp-spincount: 'default' or a number, not 'lots'" in capsys.readouterr().err
+
+
+def _agent(server, rnd, ttfts, wall=10.0, conc=2):
+    reqs = [
+        {"session": i % conc, "turn": i // conc, "ttft_s": t, "latency_s": 3 * t}
+        for i, t in enumerate(ttfts)
+    ]
+    return sb.LoadResult(
+        server,
+        "agent",
+        conc,
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+        1.0,
+        len(reqs),
+        wall_s=wall,
+        extra={"requests": reqs, "round": rnd},
+    )
+
+
+def test_paired_compares_each_request_with_the_same_request_on_vllm():
+    """Requests 10 % slower than their own twins on vLLM are 1.10x with a tight interval,
+    whatever mode (first turn or later) each request is in: the pairing removes it."""
+    base0 = [3.0, 3.1, 0.3, 0.4, 0.5, 0.2]
+    base1 = [2.5, 2.9, 0.6, 0.1, 0.3, 0.35]
+    results = [
+        _agent("vllm", 0, base0, wall=20.0),
+        _agent("vllm", 1, base1, wall=30.0),
+        _agent("cp-vllm", 0, [1.1 * t for t in base0], wall=22.0),
+        _agent("cp-vllm", 1, [1.1 * t for t in base1], wall=33.0),
+    ]
+    (row,) = sb.paired(results)
+    assert (row["concurrency"], row["server"], row["pairs"]) == (2, "cp-vllm", 12)
+    for f in ("ttft_s", "latency_s"):
+        g, lo, hi = row[f]
+        assert math.isclose(g, 1.1) and math.isclose(lo, 1.1) and math.isclose(hi, 1.1)
+    assert math.isclose(row["wall"], 55.0 / 50.0)
+    assert sb.verdict(*row["ttft_s"][1:]) == "worse"
+    table = sb.render_paired([row])
+    assert "1.10x [1.10-1.10] worse" in table and "| 1.10x" in table
+
+
+def test_paired_matches_on_the_round_not_on_position():
+    """Round 1's prompts are not round 0's: a request is compared with its own round's."""
+    results = [
+        _agent("vllm", 0, [1.0, 1.0]),
+        _agent("vllm", 1, [4.0, 4.0]),
+        _agent("cp-vllm", 1, [4.0, 4.0]),  # level with round 1, 4x round 0
+        _agent("cp-vllm", 0, [1.0, 1.0]),
+    ]
+    (row,) = sb.paired(results)
+    assert row["ttft_s"] == (1.0, 1.0, 1.0)
+    assert sb.verdict(*row["ttft_s"][1:]) == "within 5%"
+    # A server without vLLM in the run, or a request vLLM never answered, is not paired.
+    assert sb.paired([_agent("cp-vllm", 0, [1.0])]) == []
+
+
+def test_verdicts_say_when_the_interval_cannot_tell():
+    assert sb.verdict(0.90, 1.04) == "within 5%"
+    assert sb.verdict(0.95, 1.20) == "undecided"
+    assert sb.verdict(1.06, 1.30) == "worse"
+    # throughput: higher is better, so 0.97-1.10x is within 5 %
+    assert sb.verdict(0.97, 1.10, higher_is_better=True) == "within 5%"
+    assert sb.verdict(0.80, 0.90, higher_is_better=True) == "worse"
+
+
+def test_from_json_reprints_a_saved_run_without_starting_a_server(tmp_path, capsys):
+    from dataclasses import asdict
+
+    results = [_agent("vllm", 0, [1.0, 2.0]), _agent("cp-vllm", 0, [1.0, 2.0])]
+    for r in results:
+        del r.extra["round"]  # files written before rounds were kept
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps({"results": [asdict(r) for r in results]}))
+    assert sb.main(["--from-json", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert "agent  | 2 | cp-vllm |" in out
+    assert "1.00x [1.00-1.00] within 5%" in out
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(SystemExit) as exc:
+        sb.main(["--from-json", str(bad)])
+    assert exc.value.code == 2
+    assert "not a serving_bench --json file" in capsys.readouterr().err
