@@ -41,8 +41,8 @@ speed).
 
 The report: per load and concurrency, each server's TTFT p50/p90, request latency
 p50/p90 and output tokens/s, and each as a ratio to vLLM's (lower is better for the
-times, higher for throughput). With --rounds N the agent load's percentiles are over
-every request of every round; AIPerf's are medians over rounds.
+times, higher for throughput). With --rounds N the percentiles are over every request
+of every round (AIPerf's from its per-request export, profile_export.jsonl).
 
 ``--gomp-spincount N`` gives every server the same OpenMP spin before its threads
 sleep. By default each runs as it ships: `cachepoint up` gives its replicas 10,000
@@ -50,13 +50,13 @@ rounds, `vllm serve` keeps libgomp's own. On a machine where the load tool share
 the engine's cores (AIPerf here, on 2 cores) that default alone decides the figures
 (bench/RESULTS.md, issue 32); the same value for all compares the servers.
 
-For the agent load the report adds a paired table: each request against the same
-request on vLLM (the same round, session and turn: the same prompt), the geometric mean
-of the TTFT and latency ratios with a 95 % bootstrap interval and a verdict computed
-from it ("within 5%", "worse", or "undecided" where the interval spans 1.05), and the
-ratio of the loads' wall times. Percentiles of a load whose requests fall in two modes
-(first turns compute the system block, later turns do not) move with a handful of
-requests; the pairing does not.
+The report adds a paired table: each request against the same request on vLLM (the
+same round, session and turn: the same prompt; AIPerf's conversations are seeded), the
+geometric mean of the TTFT and latency ratios with a 95 % bootstrap interval and a
+verdict computed from it ("within 5%", "worse", or "undecided" where the interval
+spans 1.05), and the ratio of the loads' wall times. Percentiles of a load whose
+requests fall in two modes (first turns compute the system block, later turns do not)
+move with a handful of requests; the pairing does not.
 
 ``--json`` writes every figure; ``--from-json`` prints the report of such a file again
 without starting a server. Figures: bench/RESULTS.md.
@@ -497,6 +497,7 @@ def parse_aiperf(server: str, concurrency: int, out: Path, wall: float) -> LoadR
             return float("nan")
         return float(v) / 1000.0 if unit == "ms" else float(v)
 
+    requests = aiperf_requests(path.parent / "profile_export.jsonl")
     return LoadResult(
         server,
         "aiperf",
@@ -513,8 +514,41 @@ def parse_aiperf(server: str, concurrency: int, out: Path, wall: float) -> LoadR
             "ttft_mean_s": metric("time_to_first_token", "avg"),
             "output_tokens_mean": metric("output_sequence_length", "avg"),
             "input_tokens_mean": metric("input_sequence_length", "avg"),
+            "requests": requests,
         },
     )
+
+
+_TO_S = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+
+
+def aiperf_requests(path: Path) -> list[dict[str, Any]]:
+    """AIPerf's per-request records (``profile_export.jsonl``) as the agent load keeps
+    its own: conversation, turn, TTFT and latency in seconds. With ``--random-seed``
+    AIPerf names its conversations ``session_000000``... and writes the same prompts
+    every run, so a request can be matched with the same request on another server.
+    Warm-up records, failed requests and a missing file give nothing."""
+    out: list[dict[str, Any]] = []
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+            meta, m = rec["metadata"], rec["metrics"]
+            if meta.get("benchmark_phase") != "profiling" or rec.get("error") is not None:
+                continue
+            ttft, lat = m["time_to_first_token"], m["request_latency"]
+            out.append(
+                {
+                    "session": meta["conversation_id"],
+                    "turn": meta["turn_index"],
+                    "ttft_s": float(ttft["value"]) * _TO_S[ttft["unit"]],
+                    "latency_s": float(lat["value"]) * _TO_S[lat["unit"]],
+                }
+            )
+        except (ValueError, KeyError, TypeError):
+            continue  # a record without both figures (a failed or odd request)
+    return sorted(out, key=lambda q: (str(q["session"]), q["turn"]))
 
 
 # ------------------------------------------------------------------ the report
@@ -524,10 +558,10 @@ def pooled(rs: list[LoadResult]) -> dict[str, float]:
     """One server's rounds at one load and concurrency, as one set of figures.
 
     Percentiles are taken over every request of every round when each round kept its
-    requests (the agent load): with 12 requests a round, a p90 is the second slowest,
-    and the median of two such p90s is a coin toss; pooled, 3 rounds give 36. AIPerf's
-    rounds keep only their summaries, so theirs are medians over rounds. Throughput is
-    the median over rounds either way.
+    requests (the agent load; AIPerf's from its per-request export): with 12 requests
+    a round, a p90 is the second slowest, and the median of two such p90s is a coin
+    toss; pooled, 3 rounds give 36. A round without them (an AIPerf export that had
+    none) leaves medians over rounds. Throughput is the median over rounds either way.
     """
     out = {
         f: statistics.median(getattr(r, f) for r in rs)
@@ -621,13 +655,13 @@ def verdict(lo: float, hi: float, higher_is_better: bool = False) -> str:
 
 
 def paired(results: list[LoadResult], base: str = "vllm") -> list[dict[str, Any]]:
-    """Per concurrency and server, the agent load's requests matched with vLLM's (same
-    round, session and turn): the geometric mean of the TTFT and latency ratios with
-    95 % intervals, and the ratio of summed wall times (each round's load as a whole)."""
+    """Per load, concurrency and server, the requests matched with vLLM's (same round,
+    session and turn): the geometric mean of the TTFT and latency ratios with 95 %
+    intervals, and the ratio of summed wall times (each round's load as a whole)."""
     rows = []
-    agent = [r for r in results if r.load == "agent" and r.extra.get("requests")]
-    for c in sorted({r.concurrency for r in agent}):
-        mine = [r for r in agent if r.concurrency == c]
+    kept = [r for r in results if r.extra.get("requests")]
+    for load, c in sorted({(r.load, r.concurrency) for r in kept}):
+        mine = [r for r in kept if (r.load, r.concurrency) == (load, c)]
         ref = {
             (r.extra.get("round", 0), q["session"], q["turn"]): q
             for r in mine
@@ -651,7 +685,12 @@ def paired(results: list[LoadResult], base: str = "vllm") -> list[dict[str, Any]
             if not logs["ttft_s"]:
                 continue
             both = [r for r in runs if r.extra.get("round", 0) in walls]
-            row: dict[str, Any] = {"concurrency": c, "server": name, "pairs": len(logs["ttft_s"])}
+            row: dict[str, Any] = {
+                "load": load,
+                "concurrency": c,
+                "server": name,
+                "pairs": len(logs["ttft_s"]),
+            }
             for f, xs in logs.items():
                 row[f] = _geomean_ci(xs)
             if both:
@@ -664,10 +703,12 @@ def paired(results: list[LoadResult], base: str = "vllm") -> list[dict[str, Any]
 
 def render_paired(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "agent load, each request against the same request on vLLM (same round, session, "
-        "turn): geometric mean of the ratios [95% interval]; wall: the loads' summed times",
-        "C | server  | pairs | TTFT                         | latency                      | wall",
-        "--|---------|-------|------------------------------|------------------------------|------",
+        "each request against the same request on vLLM (same round, session, turn): "
+        "geometric mean of the ratios [95% interval]; wall: the loads' summed times",
+        "load   | C | server  | pairs | TTFT                         | latency"
+        "                      | wall",
+        "-------|---|---------|-------|------------------------------|-----------"
+        "-------------------|------",
     ]
     for r in rows:
         cells = []
@@ -675,7 +716,7 @@ def render_paired(rows: list[dict[str, Any]]) -> str:
             g, lo, hi = r[f]
             cells.append(f"{g:.2f}x [{lo:.2f}-{hi:.2f}] {verdict(lo, hi):<10}".ljust(28))
         wall = f"{r['wall']:.2f}x" if "wall" in r else "-"
-        head = f"{r['concurrency']} | {r['server']:<7} | {r['pairs']:5}"
+        head = f"{r['load']:<6} | {r['concurrency']} | {r['server']:<7} | {r['pairs']:5}"
         lines.append(f"{head} | {cells[0]} | {cells[1]} | {wall}")
     return "\n".join(lines)
 

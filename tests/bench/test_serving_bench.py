@@ -34,6 +34,49 @@ def test_aiperfs_export_is_read_in_seconds(tmp_path):
     assert (r.ttft_p50_s, r.ttft_p90_s, r.latency_p90_s) == (2.0, 4.0, 6.0)
     assert (r.output_tok_s, r.requests, r.failed) == (7.5, 12, 0)
     assert r.extra["output_tokens_mean"] == 16.0
+    assert r.extra["requests"] == []  # no per-request export: the summary's figures stand
+
+
+def test_aiperfs_per_request_export_is_kept_for_pooling_and_pairing(tmp_path):
+    """profile_export.jsonl as AIPerf 0.13 writes it (MetricRecordInfo): profiling
+    records only, failed requests and warm-up left out, times in seconds."""
+
+    def rec(conv, turn, ttft_ms, lat_ms, phase="profiling", error=None):
+        return {
+            "metadata": {
+                "session_num": 0,
+                "conversation_id": conv,
+                "turn_index": turn,
+                "benchmark_phase": phase,
+            },
+            "metrics": {
+                "time_to_first_token": {"value": ttft_ms, "unit": "ms"},
+                "request_latency": {"value": lat_ms, "unit": "ms"},
+                "output_sequence_length": {"value": 16, "unit": "tokens"},
+            },
+            "error": error,
+        }
+
+    out = tmp_path / "x"
+    out.mkdir()
+    (out / "profile_export_aiperf.json").write_text(json.dumps({"records": {}}))
+    lines = [
+        rec("session_000001", 0, 3000.0, 9000.0),
+        rec("session_000000", 1, 500.0, 2500.0),
+        rec("session_000000", 0, 2000.0, 6000.0),
+        rec("session_000000", 0, 1.0, 2.0, phase="warmup"),
+        rec("session_000002", 0, 1.0, 2.0, error={"code": 500, "message": "boom"}),
+    ]
+    text = "\n".join(json.dumps(x) for x in lines) + "\n{not json\n"
+    (out / "profile_export.jsonl").write_text(text)
+    r = sb.parse_aiperf("vllm", 2, tmp_path, 10.0)
+    assert r.extra["requests"] == [
+        {"session": "session_000000", "turn": 0, "ttft_s": 2.0, "latency_s": 6.0},
+        {"session": "session_000000", "turn": 1, "ttft_s": 0.5, "latency_s": 2.5},
+        {"session": "session_000001", "turn": 0, "ttft_s": 3.0, "latency_s": 9.0},
+    ]
+    # kept requests make AIPerf's percentiles pooled over rounds, as the agent load's
+    assert sb.pooled([r, r])["ttft_p90_s"] == sb.pct([2.0, 0.5, 3.0] * 2, 0.9)
 
 
 def test_the_breakdown_is_the_mean_of_one_loads_observations():
@@ -153,7 +196,8 @@ def test_paired_compares_each_request_with_the_same_request_on_vllm():
     assert math.isclose(row["wall"], 55.0 / 50.0)
     assert sb.verdict(*row["ttft_s"][1:]) == "worse"
     table = sb.render_paired([row])
-    assert "1.10x [1.10-1.10] worse" in table and "| 1.10x" in table
+    assert "agent  | 2 | cp-vllm |    12 | 1.10x [1.10-1.10] worse" in table
+    assert table.rstrip().endswith("| 1.10x")
 
 
 def test_paired_matches_on_the_round_not_on_position():
