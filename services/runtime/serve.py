@@ -203,7 +203,11 @@ def serve(
     except OSError as exc:
         print(f"cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
         return 3
-    app = app_factory()
+    try:
+        app = app_factory()
+    except BaseException:
+        sock.close()  # an app that cannot be built (raised by a caller's factory) frees it
+        raise
     # NOTE: in JSON, uvicorn's own lines go through the root handler too (log_config
     # None); in text it keeps its usual format.
     extra: dict[str, Any] = {"log_config": None} if log_format == "json" else {}

@@ -191,3 +191,20 @@ def test_a_port_in_use_is_one_clear_line_and_exit_3(monkeypatch, free_port, caps
     err = capsys.readouterr().err
     assert err.startswith(f"cannot listen on 127.0.0.1:{port}: ")
     assert "in use" in err and "Traceback" not in err
+
+
+def test_an_app_that_cannot_be_built_frees_the_port(monkeypatch, free_port):
+    import socket
+
+    import pytest
+
+    port = free_port()
+    monkeypatch.setattr(cachepoint.runtime.serve, "configure_logging", lambda *a: None)
+
+    def factory() -> object:
+        raise RuntimeError("no model")
+
+    with pytest.raises(RuntimeError, match="no model"):
+        serve(factory, "127.0.0.1", port, "warning")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # free again: no EADDRINUSE
