@@ -442,10 +442,15 @@ def warm_up(server: Server, args: argparse.Namespace) -> None:
 
 
 def aiperf_load(
-    server: Server, concurrency: int, args: argparse.Namespace, folder: Path, work: Path
+    server: Server,
+    concurrency: int,
+    args: argparse.Namespace,
+    folder: Path,
+    work: Path,
+    seed: int = 0,
 ) -> LoadResult:
     out = work / f"aiperf-{server.name}-c{concurrency}-{time.monotonic_ns()}"
-    argv = aiperf_argv(server, concurrency, args, folder, out)
+    argv = aiperf_argv(server, concurrency, args, folder, out, seed)
     t0 = time.perf_counter()
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
     wall = time.perf_counter() - t0
@@ -457,9 +462,19 @@ def aiperf_load(
 
 
 def aiperf_argv(
-    server: Server, concurrency: int, args: argparse.Namespace, folder: Path, out: Path
+    server: Server,
+    concurrency: int,
+    args: argparse.Namespace,
+    folder: Path,
+    out: Path,
+    seed: int = 0,
 ) -> list[str]:
-    """The AIPerf command line for one load (module docstring)."""
+    """The AIPerf command line for one load (module docstring).
+
+    NOTE: ``seed`` decides the prompts. Each load on one server gets its own (the
+    agent load's: round and concurrency), so a load does not find the previous one's
+    prompts cached (with one seed for all, C=4's first turns were C=2's, cache hits on
+    every server); every server gets the same one in a round, so requests pair."""
     return [
         str(AIPERF), "profile", "--model", MODEL, "--url", server.base_url,
         "--endpoint-type", "messages", "--streaming", "--tokenizer", str(folder),
@@ -470,7 +485,7 @@ def aiperf_argv(
         "--prompt-input-tokens-stddev", "0",
         "--prompt-output-tokens-mean", str(args.aiperf_output_tokens),
         "--prompt-output-tokens-stddev", "0",
-        "--concurrency", str(concurrency), "--random-seed", "0",
+        "--concurrency", str(concurrency), "--random-seed", str(seed),
         "--header", f"x-api-key:{server.api_key}", "--header", "anthropic-version:2023-06-01",
         "--output-artifact-dir", str(out), "--ui", "none",
         # NOTE: AIPerf scrapes base_url + /metrics about 2.5 times a second by default.
@@ -820,7 +835,7 @@ def main(argv: list[str] | None = None) -> int:
                                 res = (
                                     agent_load(server, c, args, seed)
                                     if load == "agent"
-                                    else aiperf_load(server, c, args, folder, work)
+                                    else aiperf_load(server, c, args, folder, work, seed)
                                 )
                                 res.extra["breakdown_s"] = breakdown(before, scrape(server))
                                 res.extra["round"] = r  # the prompts' seed: paired() matches on it

@@ -109,8 +109,11 @@ def test_aiperf_drives_the_messages_api_without_scraping_the_server(tmp_path):
     not Cachepoint's (whose /metrics is private): the bench turns it off for both."""
     args = sb.build_parser().parse_args([])
     server = sb.Server("vllm", "http://127.0.0.1:9", "key")
-    argv = sb.aiperf_argv(server, 4, args, tmp_path / "model", tmp_path / "out")
+    argv = sb.aiperf_argv(server, 4, args, tmp_path / "model", tmp_path / "out", 1004)
     assert "--no-server-metrics" in argv
+    # each load its own prompts (the round's and concurrency's seed), the same for every
+    # server: a load does not find the last one's prompts cached, and requests pair
+    assert argv[argv.index("--random-seed") + 1] == "1004"
     at = argv.index
     assert argv[at("--endpoint-type") + 1] == "messages" and "--streaming" in argv
     assert argv[at("--concurrency") + 1] == "4"
