@@ -195,9 +195,9 @@ def serve(
     # after the lifespan startup (a vLLM replica's takes 30 s or more), and a port
     # chosen for this process (`cachepoint up`'s free_port) was taken meanwhile, by
     # vLLM's own ephemeral sockets among others: the replica then exited 3 ("address
-    # already in use"). Seen in CI. A bound port is never given out by the kernel for
-    # another bind to port 0 or a connect. It is not listening yet, so connections are
-    # refused (not queued for 30 s) until uvicorn listens, as before.
+    # already in use", seen in a clean-clone `.ci/run`). A bound port is never given
+    # out by the kernel for another bind to port 0 or a connect. It is not listening
+    # yet, so connections are refused (not queued for 30 s) until uvicorn listens.
     try:
         sock = _bind(host, port)
     except OSError as exc:

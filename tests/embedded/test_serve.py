@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gc
 import os
+import socket
 
+import pytest
 import uvicorn
 
 import cachepoint.runtime.serve
@@ -143,8 +145,7 @@ def test_the_port_is_held_while_the_app_is_built(monkeypatch, free_port):
     """`cachepoint up` picks a free port for each replica; a vLLM replica takes 30 s or
     more to build its app, and uvicorn alone binds only after that: the port was taken
     meanwhile (vLLM opens ephemeral sockets of its own) and the replica exited 3 with
-    "address already in use" (seen in CI). serve() binds first."""
-    import socket
+    "address already in use" (seen in a clean-clone `.ci/run`). serve() binds first."""
 
     def taken(port: int) -> bool:
         # NOTE: a plain bind, as another process's would be; a port given out for an
@@ -177,8 +178,6 @@ def test_the_port_is_held_while_the_app_is_built(monkeypatch, free_port):
 
 
 def test_a_port_in_use_is_one_clear_line_and_exit_3(monkeypatch, free_port, capsys):
-    import socket
-
     port = free_port()
     built = []
     monkeypatch.setattr(cachepoint.runtime.serve, "configure_logging", lambda *a: None)
@@ -194,10 +193,6 @@ def test_a_port_in_use_is_one_clear_line_and_exit_3(monkeypatch, free_port, caps
 
 
 def test_an_app_that_cannot_be_built_frees_the_port(monkeypatch, free_port):
-    import socket
-
-    import pytest
-
     port = free_port()
     monkeypatch.setattr(cachepoint.runtime.serve, "configure_logging", lambda *a: None)
 
