@@ -33,7 +33,10 @@ Loads, at each concurrency C:
   multi-turn with a shared system prompt: --aiperf-conversations conversations of
   --aiperf-turns turns, --aiperf-system-tokens shared, --aiperf-turn-tokens per turn,
   --aiperf-output-tokens out, at concurrency C, with AIPerf's own scraping of the
-  server's /metrics turned off (it loaded `vllm serve`'s API process, not Cachepoint's).
+  server's /metrics turned off (it loaded `vllm serve`'s API process, not Cachepoint's),
+  and paced (--aiperf-pace, a constant --request-rate on top of the concurrency cap):
+  in its plain concurrency mode AIPerf's timing manager spins a whole core while it
+  waits for a free slot, half of a 2-core machine taken from the server measured.
 
 Before its first load each server answers two untimed warm-up requests on prompts no
 load shares (a compiled vLLM's first shapes and lazily built kernels are not serving
@@ -332,9 +335,9 @@ def agent_load(server: Server, concurrency: int, args: argparse.Namespace, seed:
     ttfts: list[float] = []
     latencies: list[float] = []
     outputs: list[int] = []
-    # (session, turn, TTFT s, latency s) of each answered request, for the JSON: which
-    # turns make the tail
-    records: list[tuple[int, int, float, float]] = []
+    # (session, turn, TTFT s, latency s, start s from the load's start) of each answered
+    # request, for the JSON: which turns make the tail, and what ran beside them
+    records: list[tuple[int, int, float, float, float]] = []
     failed = 0
     lock = threading.Lock()
 
@@ -373,7 +376,7 @@ def agent_load(server: Server, concurrency: int, args: argparse.Namespace, seed:
                     ttfts.append(ttft if ttft is not None else end)
                     latencies.append(end)
                     outputs.append(final.usage.output_tokens)
-                    records.append((i, turn, ttfts[-1], end))
+                    records.append((i, turn, ttfts[-1], end, t0 - t_load))
             except anthropic.APIError as exc:
                 print(f"  {server.name}: session {i} failed: {exc}", file=sys.stderr)
                 with lock:
@@ -384,13 +387,13 @@ def agent_load(server: Server, concurrency: int, args: argparse.Namespace, seed:
             tool = "Tool output:\n" + words(srng, int(args.turn_tokens / 1.3))
             messages.append({"role": "user", "content": [{"type": "text", "text": tool}]})
 
-    t0 = time.perf_counter()
+    t_load = time.perf_counter()
     threads = [threading.Thread(target=session, args=(i,)) for i in range(concurrency)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
+    wall = time.perf_counter() - t_load
     return LoadResult(
         server.name,
         "agent",
@@ -405,8 +408,8 @@ def agent_load(server: Server, concurrency: int, args: argparse.Namespace, seed:
         wall,
         {
             "requests": [
-                {"session": i, "turn": t, "ttft_s": ttft, "latency_s": lat}
-                for i, t, ttft, lat in sorted(records)
+                {"session": i, "turn": t, "ttft_s": ttft, "latency_s": lat, "start_s": at}
+                for i, t, ttft, lat, at in sorted(records)
             ]
         },
     )
@@ -475,7 +478,7 @@ def aiperf_argv(
     agent load's: round and concurrency), so a load does not find the previous one's
     prompts cached (with one seed for all, C=4's first turns were C=2's, cache hits on
     every server); every server gets the same one in a round, so requests pair."""
-    return [
+    argv = [
         str(AIPERF), "profile", "--model", MODEL, "--url", server.base_url,
         "--endpoint-type", "messages", "--streaming", "--tokenizer", str(folder),
         "--conversation-num", str(args.aiperf_conversations),
@@ -494,6 +497,15 @@ def aiperf_argv(
         # neither server.
         "--no-server-metrics",
     ]  # fmt: skip
+    if args.aiperf_pace:
+        # NOTE: in its plain concurrency mode AIPerf's timing manager waits for a free
+        # slot in a loop that only yields to its event loop (0-second intervals), so it
+        # holds a whole core for the entire profile: half of this 2-core machine, taken
+        # from whichever server is measured (bench/RESULTS.md, issue 32). With a rate as
+        # well, the loop sleeps between ticks; --concurrency still caps what is in
+        # flight, and a freed slot is used at the next tick (1/pace s at most).
+        argv += ["--request-rate", str(args.aiperf_pace), "--arrival-pattern", "constant"]
+    return argv
 
 
 def parse_aiperf(server: str, concurrency: int, out: Path, wall: float) -> LoadResult:
@@ -539,11 +551,13 @@ _TO_S = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 
 def aiperf_requests(path: Path) -> list[dict[str, Any]]:
     """AIPerf's per-request records (``profile_export.jsonl``) as the agent load keeps
-    its own: conversation, turn, TTFT and latency in seconds. With ``--random-seed``
-    AIPerf names its conversations ``session_000000``... and writes the same prompts
-    every run, so a request can be matched with the same request on another server.
-    Warm-up records, failed requests and a missing file give nothing."""
+    its own: conversation, turn, TTFT and latency in seconds, and its start in seconds
+    from the first request's. With ``--random-seed`` AIPerf names its conversations
+    ``session_000000``... and writes the same prompts every run, so a request can be
+    matched with the same request on another server. Warm-up records, failed requests
+    and a missing file give nothing."""
     out: list[dict[str, Any]] = []
+    starts: list[int] = []  # request_start_ns of each record kept, in order
     if not path.exists():
         return out
     for line in path.read_text().splitlines():
@@ -553,6 +567,7 @@ def aiperf_requests(path: Path) -> list[dict[str, Any]]:
             if meta.get("benchmark_phase") != "profiling" or rec.get("error") is not None:
                 continue
             ttft, lat = m["time_to_first_token"], m["request_latency"]
+            start = int(meta.get("request_start_ns") or 0)
             out.append(
                 {
                     "session": meta["conversation_id"],
@@ -561,8 +576,13 @@ def aiperf_requests(path: Path) -> list[dict[str, Any]]:
                     "latency_s": float(lat["value"]) * _TO_S[lat["unit"]],
                 }
             )
+            starts.append(start)
         except (ValueError, KeyError, TypeError):
             continue  # a record without both figures (a failed or odd request)
+    if out and all(starts):
+        first = min(starts)
+        for q, ns in zip(out, starts, strict=True):
+            q["start_s"] = (ns - first) / 1e9
     return sorted(out, key=lambda q: (str(q["session"]), q["turn"]))
 
 
@@ -762,6 +782,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--aiperf-turn-tokens", type=int, default=300, help="aiperf (300)")
     p.add_argument("--aiperf-output-tokens", type=int, default=16, help="aiperf (16)")
     p.add_argument(
+        "--aiperf-pace",
+        type=float,
+        default=50.0,
+        metavar="HZ",
+        help="aiperf: also pass --request-rate HZ (constant arrivals), so AIPerf's timing "
+        "manager sleeps between ticks instead of spinning a core while it waits for a "
+        "free slot; --concurrency still caps the requests in flight, and a freed slot "
+        "waits 1/HZ s at most. 0: AIPerf's plain concurrency mode (50)",
+    )
+    p.add_argument(
         "--gomp-spincount",
         default="default",
         help="GOMP_SPINCOUNT for every server's engine threads: 'default' leaves each as it "
@@ -770,6 +800,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--cache-dir", type=Path, default=ROOT / "build" / "serving-bench")
     p.add_argument("--json", type=Path, help="write every figure here")
+    p.add_argument(
+        "--keep-logs",
+        type=Path,
+        metavar="DIR",
+        help="copy each server's working folder (its logs, the stack's state, AIPerf's "
+        "exports) to DIR/<server>-<round> when it stops (default: deleted)",
+    )
     p.add_argument(
         "--from-json",
         type=Path,
@@ -809,6 +846,8 @@ def main(argv: list[str] | None = None) -> int:
     if {"vllm", "cp-vllm"} & set(servers) and not (VLLM_BIN / "python").exists():
         p.error("no .venv-vllm: run `make vllm` (or --servers torch)")
     sweep = [int(c) for c in args.concurrency.split(",")]
+    if args.aiperf_pace < 0:
+        p.error(f"--aiperf-pace: a rate in Hz or 0, not {args.aiperf_pace}")
     if args.gomp_spincount != "default":
         if not args.gomp_spincount.isdigit():
             p.error(f"--gomp-spincount: 'default' or a number, not {args.gomp_spincount!r}")
@@ -854,6 +893,8 @@ def main(argv: list[str] | None = None) -> int:
                     keep = args.cache_dir / "failed"
                     shutil.copytree(work, keep / f"{name}-{r}", dirs_exist_ok=True)
                     raise
+                if args.keep_logs is not None:
+                    shutil.copytree(work, args.keep_logs / f"{name}-{r}", dirs_exist_ok=True)
     rows = ratios(results)
     print(report(results))
     if args.json:

@@ -150,19 +150,21 @@ def _prefill(
     layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool, span: PrefillSpan
 ) -> torch.Tensor:
     """``[n, H, D]`` attention of one prefill's rows (``k``/``v`` its new tokens')."""
-    qs = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-    ks, vs = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-    if span.num_cached == 0:
-        res = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
-        return res[0].transpose(0, 1)
     if span.block_ids is not None and cpu_kernels.paged_prefill_supported(q, pool.shape.dtype):
         # One call over the whole context through the block table: the new tokens' K/V
-        # were written to the pool above, and are read back from it like the cache.
+        # were written to the pool above, and are read back from it like the cache. A
+        # cold prefill too: at the head sizes it takes, it beats torch's flash kernel
+        # (bench/RESULTS.md, "The cold prefill, kernel for kernel").
         k_cache, v_cache = pool.head_major(layer)
         scale = q.shape[-1] ** -0.5
         return cpu_kernels.paged_prefill(
             q, k_cache, v_cache, span.block_ids, span.num_cached, scale
         )[0]
+    qs = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    ks, vs = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    if span.num_cached == 0:
+        res = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        return res[0].transpose(0, 1)
     rows, kv_heads = q.shape[0], k.shape[1]
     own = partial_attention(qs, ks, vs, causal=True)
     parts = [(own[0][0].transpose(0, 1), own[1][0].transpose(0, 1))]

@@ -126,11 +126,11 @@ def load() -> bool:
 
 
 # NOTE: the kernel's FMAs per score grow with head_dim, while torch's flash kernel
-# turns its tiles into GEMMs whose inner dimension is head_dim. Measured here (bench/
-# RESULTS.md, "The CPU prefill kernel"), a 336-token prefill over 5,664 cached keys
-# took 0.76x the flash path's time at head_dim 16 and 0.74x at 32, and SmolLM2's
-# 512 over 4,096 took 1.08x at 64: past 32, torch's kernel serves.
-MAX_HEAD_DIM = 32
+# turns its tiles into GEMMs whose inner dimension is head_dim. Once its threads were
+# balanced (the zigzag in csrc/paged_prefill.cpp), it took 0.35-0.77x torch's time at
+# head_dim 16, 32 and 64, cold and cached, and 0.79-1.69x at 128 (bench/RESULTS.md,
+# "The cold prefill, kernel for kernel"): past 64, torch's kernel serves.
+MAX_HEAD_DIM = 64
 
 
 def _ops() -> Any:

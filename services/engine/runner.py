@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from cachepoint.engine import cpu_kernels
+from cachepoint.engine import cpu_kernels, host_malloc
 from cachepoint.engine.attention_cuda import cuda_paged_attention_available
 from cachepoint.engine.attention_plan import (
     AttentionMetadata,
@@ -79,6 +79,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         free_before = 0
+        if self.device.type == "cpu":
+            host_malloc.tune()  # activations stay in the heap between ops and steps
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             free_before, _total = torch.cuda.mem_get_info(self.device)

@@ -41,13 +41,14 @@ def test_aiperfs_per_request_export_is_kept_for_pooling_and_pairing(tmp_path):
     """profile_export.jsonl as AIPerf 0.13 writes it (MetricRecordInfo): profiling
     records only, failed requests and warm-up left out, times in seconds."""
 
-    def rec(conv, turn, ttft_ms, lat_ms, phase="profiling", error=None):
+    def rec(conv, turn, ttft_ms, lat_ms, phase="profiling", error=None, start_ms=0.0):
         return {
             "metadata": {
                 "session_num": 0,
                 "conversation_id": conv,
                 "turn_index": turn,
                 "benchmark_phase": phase,
+                "request_start_ns": 1_700_000_000_000_000_000 + int(start_ms * 1_000_000),
             },
             "metrics": {
                 "time_to_first_token": {"value": ttft_ms, "unit": "ms"},
@@ -61,19 +62,20 @@ def test_aiperfs_per_request_export_is_kept_for_pooling_and_pairing(tmp_path):
     out.mkdir()
     (out / "profile_export_aiperf.json").write_text(json.dumps({"records": {}}))
     lines = [
-        rec("session_000001", 0, 3000.0, 9000.0),
-        rec("session_000000", 1, 500.0, 2500.0),
-        rec("session_000000", 0, 2000.0, 6000.0),
+        rec("session_000001", 0, 3000.0, 9000.0, start_ms=4.0),
+        rec("session_000000", 1, 500.0, 2500.0, start_ms=6250.0),
+        rec("session_000000", 0, 2000.0, 6000.0, start_ms=250.0),
         rec("session_000000", 0, 1.0, 2.0, phase="warmup"),
         rec("session_000002", 0, 1.0, 2.0, error={"code": 500, "message": "boom"}),
     ]
     text = "\n".join(json.dumps(x) for x in lines) + "\n{not json\n"
     (out / "profile_export.jsonl").write_text(text)
     r = sb.parse_aiperf("vllm", 2, tmp_path, 10.0)
+    # starts are seconds from the first kept request's (the warm-up's do not count)
     assert r.extra["requests"] == [
-        {"session": "session_000000", "turn": 0, "ttft_s": 2.0, "latency_s": 6.0},
-        {"session": "session_000000", "turn": 1, "ttft_s": 0.5, "latency_s": 2.5},
-        {"session": "session_000001", "turn": 0, "ttft_s": 3.0, "latency_s": 9.0},
+        {"session": "session_000000", "turn": 0, "ttft_s": 2.0, "latency_s": 6.0, "start_s": 0.246},
+        {"session": "session_000000", "turn": 1, "ttft_s": 0.5, "latency_s": 2.5, "start_s": 6.246},
+        {"session": "session_000001", "turn": 0, "ttft_s": 3.0, "latency_s": 9.0, "start_s": 0.0},
     ]
     # kept requests make AIPerf's percentiles pooled over rounds, as the agent load's
     assert sb.pooled([r, r])["ttft_p90_s"] == sb.pct([2.0, 0.5, 3.0] * 2, 0.9)
@@ -119,6 +121,31 @@ def test_aiperf_drives_the_messages_api_without_scraping_the_server(tmp_path):
     assert argv[at("--concurrency") + 1] == "4"
     assert argv[at("--url") + 1] == "http://127.0.0.1:9"
     assert argv[at("--shared-system-prompt-length") + 1] == str(args.aiperf_system_tokens)
+
+
+def test_aiperf_is_paced_so_its_timing_manager_does_not_spin_a_core(tmp_path):
+    """In plain concurrency mode AIPerf's timing manager busy-waits for a free slot (a
+    whole core of this 2-core machine): by default the bench adds a constant request
+    rate, which makes it sleep between ticks while --concurrency still caps what is in
+    flight; --aiperf-pace 0 gives AIPerf's plain mode back."""
+    server = sb.Server("vllm", "http://127.0.0.1:9", "key")
+    paced = sb.aiperf_argv(
+        server, 2, sb.build_parser().parse_args([]), tmp_path, tmp_path / "out", 2
+    )
+    assert paced[paced.index("--request-rate") + 1] == "50.0"
+    assert paced[paced.index("--arrival-pattern") + 1] == "constant"
+    assert paced[paced.index("--concurrency") + 1] == "2"
+    plain = sb.aiperf_argv(
+        server, 2, sb.build_parser().parse_args(["--aiperf-pace", "0"]), tmp_path, tmp_path, 2
+    )
+    assert "--request-rate" not in plain and "--arrival-pattern" not in plain
+
+
+def test_a_negative_pace_is_refused_before_any_server_starts(capsys):
+    with pytest.raises(SystemExit) as exc:
+        sb.main(["--aiperf-pace", "-1", "--loads", "agent", "--servers", "torch"])
+    assert exc.value.code == 2
+    assert "--aiperf-pace" in capsys.readouterr().err
 
 
 def test_rounds_that_kept_their_requests_pool_them_for_percentiles():

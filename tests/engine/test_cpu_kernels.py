@@ -95,6 +95,32 @@ def test_paged_prefill_matches_the_reference_over_random_tables(
     assert (lse.double() - want_lse).abs().max().item() < 5e-5
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("new", [688, 700])
+def test_a_long_cold_prefill_over_several_threads_computes_every_row(
+    threads: int, new: int
+) -> None:
+    """The kernel hands its row chunks to threads zigzag (first, last, second, ...) so
+    the causal triangle's work is balanced: every chunk is still computed exactly once,
+    for an odd (688 tokens x 3 heads: 129 chunks) and an even (700: 132) count."""
+    gen = torch.Generator().manual_seed(new)
+    kv_heads, group, d, bs = 2, 3, 64, 16
+    blocks = -(-new // bs)
+    k_cache = torch.randn(kv_heads, blocks, bs, d, generator=gen)
+    v_cache = torch.randn(kv_heads, blocks, bs, d, generator=gen)
+    table = torch.randperm(blocks, generator=gen).to(torch.int32)
+    q = torch.randn(new, kv_heads * group, d, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse = cpu_kernels.paged_prefill(q, k_cache, v_cache, table, 0, d**-0.5)
+    finally:
+        torch.set_num_threads(before)
+    want_out, want_lse = reference(q, k_cache, v_cache, table, 0)
+    assert (out.double() - want_out).abs().max().item() < 5e-5
+    assert (lse.double() - want_lse).abs().max().item() < 5e-5
+
+
 def test_strided_queries_are_read_as_they_lie() -> None:
     """q as the model hands it over: a view into a fused projection (token stride wider
     than the heads)."""
