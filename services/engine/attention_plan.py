@@ -263,7 +263,20 @@ def plan_decode(
         if shared == 0:
             break
         shared = shared_blocks(head, t, shared)
-    shared_segments = [Segment(r.block, r.count * block_size) for r in head.span(0, shared)]
+    shared_segments: list[Segment] = []
+    lead = 0  # the shared blocks read by the cascade: its leading long runs
+    for r in head.span(0, shared):
+        # NOTE: the cascade reads each run with one attention call (and a merge), for
+        # every layer of every step. A shared prefix allocated from a pool that earlier
+        # traffic left in LRU order lies in runs of a block or two: 100+ calls a layer
+        # took a 4-lane SmolLM2 decode from 60 to 210 ms a token. From its first short
+        # run on, the prefix is read with each lane's own blocks instead (by the kernel,
+        # or runs and gathers), which costs one more read of those blocks per lane.
+        if r.count < MIN_RUN:
+            break
+        shared_segments.append(Segment(r.block, r.count * block_size))
+        lead += r.count
+    shared = lead
     if paged:
         return _plan_paged_decode(tables, positions, start, block_size, shared, shared_segments)
     lane_segments: list[tuple[int, Segment]] = []

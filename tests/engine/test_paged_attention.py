@@ -234,6 +234,67 @@ def test_fragmented_decode_lane_is_gathered_by_slice(monkeypatch: pytest.MonkeyP
         assert (out[i : i + 1].double() - expected).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("paged", [True, False])
+def test_a_fragmented_shared_prefix_is_read_with_each_lanes_blocks(
+    monkeypatch: pytest.MonkeyPatch, paged: bool
+) -> None:
+    """Lanes sharing a system prompt whose blocks came from a pool in LRU order: the
+    cascade reads the prefix's leading long run once for all lanes and stops at its
+    first short run (one attention call a run, a layer, a step made a 4-lane decode
+    3.5x slower); the rest is each lane's, and every lane still equals the reference.
+    ``paged``: the CPU decode kernel reads the lanes' tables; else runs and gathers."""
+    head_dim = 16  # the kernel's smallest
+    if paged and cpu_kernels.why_unavailable() is not None:
+        pytest.skip(f"CPU kernel not usable here: {cpu_kernels.why_unavailable()}")
+    config = ModelConfig.tiny(num_heads=4, num_kv_heads=2, hidden_size=4 * head_dim)
+    runner = ModelRunner(
+        config, EngineConfig(block_size=BLOCK, device="cpu", kv_cache_bytes=8 << 20)
+    )
+    runner._cpu_paged_decode = paged
+    pool, layer = runner.pool, 0
+    long_run = list(range(10, 10 + attention_plan.MIN_RUN))  # 8 consecutive blocks
+    scattered = [61, 57, 53, 49, 45, 41]  # then one block at a time
+    shared = long_run + scattered
+    tables = [shared + list(range(100 + 20 * i, 100 + 20 * i + 3)) for i in range(3)]
+    positions = [len(t) * BLOCK - 1 - i for i, t in enumerate(tables)]
+    prefix_k = torch.randn(len(shared) * BLOCK, 2, head_dim)
+    prefix_v = torch.randn(len(shared) * BLOCK, 2, head_dim)
+    ks, vs = [], []
+    for p, table in zip(positions, tables, strict=True):
+        k, v = torch.randn(p + 1, 2, head_dim), torch.randn(p + 1, 2, head_dim)
+        k[: len(shared) * BLOCK], v[: len(shared) * BLOCK] = prefix_k, prefix_v
+        slots = torch.tensor([table[i // BLOCK] * BLOCK + i % BLOCK for i in range(p)])
+        pool.write(layer, slots, k[:p], v[:p])
+        ks.append(k)
+        vs.append(v)
+    decodes = [
+        DecodeRequest(1, p, t, seq_id=i)
+        for i, (p, t) in enumerate(zip(positions, tables, strict=True))
+    ]
+    _ids, _pos, meta = runner._metadata([], decodes)
+    assert meta.decode is not None
+    assert [(s.block, s.tokens) for s in meta.decode.shared] == [(10, len(long_run) * BLOCK)]
+    if paged:
+        assert meta.decode.key_start == len(long_run) * BLOCK
+    q = torch.randn(3, 4, head_dim)
+    k_new = torch.stack([k[-1] for k in ks])
+    v_new = torch.stack([v[-1] for v in vs])
+    with torch.inference_mode():
+        out = paged_attention(layer, q, k_new, v_new, pool, meta)
+    for i in range(3):
+        expected = reference(q[i : i + 1], ks[i], vs[i])
+        assert (out[i : i + 1].double() - expected).abs().max().item() <= 1e-5
+
+    # a prefix that starts fragmented has no cascade at all
+    tables = [scattered + long_run + t[len(shared) :] for t in tables]
+    decodes = [
+        DecodeRequest(1, p, t, seq_id=10 + i)
+        for i, (p, t) in enumerate(zip(positions, tables, strict=True))
+    ]
+    _ids, _pos, meta = runner._metadata([], decodes)
+    assert meta.decode is not None and meta.decode.shared == []
+
+
 @pytest.mark.parametrize("path", ["cpu_flash", "math"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_decode_lane_runs_bridge_small_gaps_with_the_gap_masked(
