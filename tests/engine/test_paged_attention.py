@@ -46,6 +46,20 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     return (scores.softmax(-1) @ vv).transpose(0, 1)  # [n, H, D]
 
 
+def assert_decode_lanes_match(
+    layer: int, pool, meta, q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]
+) -> None:
+    """Run a decode-only step's attention (each lane's last K/V is its new token's) and
+    check every lane against the float64 reference over its whole context."""
+    k_new = torch.stack([k[-1] for k in ks])
+    v_new = torch.stack([v[-1] for v in vs])
+    with torch.inference_mode():
+        out = paged_attention(layer, q, k_new, v_new, pool, meta)
+    for i in range(q.shape[0]):
+        expected = reference(q[i : i + 1], ks[i], vs[i])
+        assert (out[i : i + 1].double() - expected).abs().max().item() <= 1e-5
+
+
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (6, 2), (8, 1)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("path", ["cpu_flash", "math", "kernel"])
@@ -224,14 +238,7 @@ def test_fragmented_decode_lane_is_gathered_by_slice(monkeypatch: pytest.MonkeyP
     _ids, _pos, meta = runner._metadata([], decodes)
     assert meta.decode is not None and meta.decode.rest is not None
     assert meta.decode.rest[0, :11].tolist() == tables[0]  # the whole fragmented row
-    q = torch.randn(2, 4, 8)
-    k_new = torch.stack([k[-1] for k in ks])
-    v_new = torch.stack([v[-1] for v in vs])
-    with torch.inference_mode():
-        out = paged_attention(layer, q, k_new, v_new, pool, meta)
-    for i in range(2):
-        expected = reference(q[i : i + 1], ks[i], vs[i])
-        assert (out[i : i + 1].double() - expected).abs().max().item() <= 1e-5
+    assert_decode_lanes_match(layer, pool, meta, torch.randn(2, 4, 8), ks, vs)
 
 
 @pytest.mark.parametrize("paged", [True, False])
@@ -276,14 +283,7 @@ def test_a_fragmented_shared_prefix_is_read_with_each_lanes_blocks(
     assert [(s.block, s.tokens) for s in meta.decode.shared] == [(10, len(long_run) * BLOCK)]
     if paged:
         assert meta.decode.key_start == len(long_run) * BLOCK
-    q = torch.randn(3, 4, head_dim)
-    k_new = torch.stack([k[-1] for k in ks])
-    v_new = torch.stack([v[-1] for v in vs])
-    with torch.inference_mode():
-        out = paged_attention(layer, q, k_new, v_new, pool, meta)
-    for i in range(3):
-        expected = reference(q[i : i + 1], ks[i], vs[i])
-        assert (out[i : i + 1].double() - expected).abs().max().item() <= 1e-5
+    assert_decode_lanes_match(layer, pool, meta, torch.randn(3, 4, head_dim), ks, vs)
 
     # a prefix that starts fragmented has no cascade at all
     tables = [scattered + long_run + t[len(shared) :] for t in tables]
@@ -347,14 +347,7 @@ def test_decode_lane_runs_bridge_small_gaps_with_the_gap_masked(
             assert seg.bias is not None and seg.tokens == positions[lane] + 1 + 3 * BLOCK
             hidden = torch.isinf(seg.bias.flatten()).nonzero().flatten()
             assert hidden.tolist() == list(range(40 * BLOCK, 43 * BLOCK))
-    q = torch.randn(batch, 4, 8)
-    k_new = torch.stack([k[-1] for k in ks])
-    v_new = torch.stack([v[-1] for v in vs])
-    with torch.inference_mode():
-        out = paged_attention(layer, q, k_new, v_new, pool, meta)
-    for i in range(batch):
-        expected = reference(q[i : i + 1], ks[i], vs[i])
-        assert (out[i : i + 1].double() - expected).abs().max().item() <= 1e-5
+    assert_decode_lanes_match(layer, pool, meta, torch.randn(batch, 4, 8), ks, vs)
 
 
 def test_bridge_joins_ascending_runs_only_across_small_gaps() -> None:
