@@ -154,7 +154,7 @@ def _prefill(
         # One call over the whole context through the block table: the new tokens' K/V
         # were written to the pool above, and are read back from it like the cache. A
         # cold prefill too: at the head sizes it takes, it beats torch's flash kernel
-        # (bench/RESULTS.md, "The cold prefill, kernel for kernel").
+        # (bench/RESULTS.md, "the cold prefill caught up", part 2).
         k_cache, v_cache = pool.head_major(layer)
         scale = q.shape[-1] ** -0.5
         return cpu_kernels.paged_prefill(

@@ -129,7 +129,7 @@ def load() -> bool:
 # turns its tiles into GEMMs whose inner dimension is head_dim. Once its threads were
 # balanced (the zigzag in csrc/paged_prefill.cpp), it took 0.29-0.86x torch's time at
 # head_dim 16, 32 and 64, cold and cached, and 0.97-2.16x at 128 (bench/RESULTS.md,
-# "The cold prefill, kernel for kernel"): past 64, torch's kernel serves.
+# "the cold prefill caught up", part 2): past 64, torch's kernel serves.
 MAX_HEAD_DIM = 64
 
 

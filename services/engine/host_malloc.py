@@ -6,9 +6,9 @@ serves blocks that large with ``mmap`` and returns them with ``munmap`` when fre
 (its threshold adapts, but only up to 32 MiB and only after a free), so the next op
 takes a page fault on every 4 KiB of its output before it computes anything. Measured
 on a cold 1,800-token prefill through the replica: 2.62-2.75 s with the thresholds
-below against 2.88-2.97 s without (bench/RESULTS.md, "The cold prefill, kernel for
-kernel"). vLLM preloads tcmalloc into its CPU workers for the same reason; this
-keeps glibc and sets two of its knobs instead of adding an allocator.
+below against 2.88-2.97 s without (bench/RESULTS.md, "the cold prefill caught up",
+part 2). vLLM preloads tcmalloc into its CPU workers for the same reason; this keeps
+glibc and sets two of its knobs instead of adding an allocator.
 
 The cost: up to ``TRIM_THRESHOLD`` of freed heap stays mapped between steps, which a
 replica uses again at its next step anyway.
