@@ -242,9 +242,7 @@ def test_fragmented_decode_lane_is_gathered_by_slice(monkeypatch: pytest.MonkeyP
 
 
 @pytest.mark.parametrize("paged", [True, False])
-def test_a_fragmented_shared_prefix_is_read_with_each_lanes_blocks(
-    monkeypatch: pytest.MonkeyPatch, paged: bool
-) -> None:
+def test_a_fragmented_shared_prefix_is_read_with_each_lanes_blocks(paged: bool) -> None:
     """Lanes sharing a system prompt whose blocks came from a pool in LRU order: the
     cascade reads the prefix's leading long run once for all lanes and stops at its
     first short run (one attention call a run, a layer, a step made a 4-lane decode
