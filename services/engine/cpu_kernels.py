@@ -4,7 +4,9 @@
   own), causal lower-right, through its block table;
 - ``paged_decode``: decode lanes over their contexts through their block tables, each
   lane's keys split in chunks across the threads (flash-decoding);
-- ``small_matmul``: the linears of a decode batch of 2 to 16 rows (see :mod:`.linear`).
+- ``small_matmul``: the linears of a decode batch of 2 to 16 rows (see :mod:`.linear`);
+- ``rms_norm``, ``add_rms_norm_``, ``rotary_``, ``silu_and_mul``: a decoder layer's
+  elementwise steps, one pass each (see :mod:`.layer_ops`).
 
 The kernels are compiled against the installed torch with ``torch.utils.cpp_extension``
 (g++ and ninja) into a folder keyed by a digest of its source, the torch version and
@@ -38,7 +40,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name("csrc") / f
-    for f in ("paged_prefill.cpp", "paged_decode.cpp", "small_matmul.cpp")
+    for f in ("paged_prefill.cpp", "paged_decode.cpp", "small_matmul.cpp", "layer_ops.cpp")
 )
 # NOTE: -fopenmp makes at::parallel_for parallel (it is an OpenMP pragma in a header);
 # the library then links libgomp.so.1, which resolves to the copy torch already loaded,
@@ -206,4 +208,34 @@ def small_matmul(
     """``x @ weight.T + bias`` for ``x`` of 1 to 16 float32 rows ``[m, K]`` and
     ``weight`` ``[N, K]`` with contiguous rows; returns ``[m, N]``."""
     out: torch.Tensor = _ops().small_matmul(x, weight, bias)
+    return out
+
+
+def layer_ops_supported(x: torch.Tensor) -> bool:
+    """Whether the elementwise layer ops (:mod:`.layer_ops`) take ``x``."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and load()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``F.rms_norm`` of float32 rows ``x`` ``[rows, H]`` times ``weight`` ``[H]``."""
+    out: torch.Tensor = _ops().rms_norm(x, weight, eps)
+    return out
+
+
+def add_rms_norm_(
+    residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``residual += delta`` in place, then :func:`rms_norm` of the sum (a new tensor)."""
+    out: torch.Tensor = _ops().add_rms_norm_(residual, delta, weight, eps)
+    return out
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate ``x`` ``[tokens, heads, D]`` in place by ``cos``/``sin`` ``[tokens, D]``."""
+    _ops().rotary_(x, cos, sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``x`` ``[rows, 2I]`` holding gate and up side by side."""
+    out: torch.Tensor = _ops().silu_and_mul(x)
     return out

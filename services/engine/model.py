@@ -21,6 +21,7 @@ from cachepoint.engine.attention import paged_attention
 from cachepoint.engine.attention_plan import AttentionMetadata
 from cachepoint.engine.config import ModelConfig
 from cachepoint.engine.kv_pool import KVPool
+from cachepoint.engine.layer_ops import add_rms_norm_, rms_norm, rotate, silu_and_mul
 from cachepoint.engine.linear import linear
 from cachepoint.engine.rotary import Rotary, apply_rotary
 from cachepoint.engine.weights import RandomWeights, WeightSource
@@ -46,13 +47,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            # NOTE: the fused kernel: one op instead of five, the same formula as below.
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        # NOTE: normalise in float32 like HF does; bf16 variance loses too much.
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_forward_(self, residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """``residual += delta`` in place, then the norm of the sum (one pass on a CPU)."""
+        return add_rms_norm_(residual, delta, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -108,8 +107,9 @@ class LlamaAttention(nn.Module):
         else:
             heads = self.num_heads + 2 * self.num_kv_heads
             qkv = linear(x, self.qkv_weight, self.qkv_bias).view(t, heads, self.head_dim)
-            # NOTE: q and k sit side by side in the fused output: one rotation for both.
-            qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
+            # NOTE: q and k sit side by side in the fused output: one rotation for both,
+            # in place where the CPU kernel runs (qkv is this call's own buffer).
+            qk = rotate(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, self.num_heads + self.num_kv_heads :]
         attn = paged_attention(layer, q, k, v, pool, meta)
@@ -136,9 +136,10 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
             gate, up = linear(x, self.gate_proj.weight), linear(x, self.up_proj.weight)
+            inner = F.silu(gate) * up
         else:
-            gate, up = linear(x, self.gate_up_weight).chunk(2, -1)
-        out = linear(F.silu(gate) * up, self.down_proj.weight)
+            inner = silu_and_mul(linear(x, self.gate_up_weight))
+        out = linear(inner, self.down_proj.weight)
         if self.tp_size > 1:
             dist.all_reduce(out)
         return out
@@ -156,13 +157,25 @@ class LlamaDecoderLayer(nn.Module):
         self,
         layer: int,
         x: torch.Tensor,
+        delta: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         pool: KVPool,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(layer, self.input_layernorm(x), cos, sin, pool, meta)
-        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        """One layer over the residual stream ``x``, which is updated in place.
+
+        ``delta`` is the previous layer's MLP output, not yet added to ``x`` (None
+        before the first layer); this layer's MLP output is returned the same way.
+        NOTE: each residual add is left to the norm that follows it, so that on a CPU
+        the add and the norm are one pass (:func:`.layer_ops.add_rms_norm_`).
+        """
+        if delta is None:
+            h = self.input_layernorm(x)
+        else:
+            h = self.input_layernorm.add_forward_(x, delta)
+        attn = self.self_attn(layer, h, cos, sin, pool, meta)
+        out: torch.Tensor = self.mlp(self.post_attention_layernorm.add_forward_(x, attn))
         return out
 
 
@@ -220,14 +233,17 @@ class LlamaForCausalLM(nn.Module):
         the scheduler never publishes blocks of a failed step).
         """
         assert self.rotary is not None, "finish_init() was not called"
+        # NOTE: the embedding's output is a fresh tensor, so the layers may add into it.
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        delta: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
             if layer_hook is not None:
                 layer_hook(i)
-            x = layer(i, x, cos, sin, pool, meta)
-        out: torch.Tensor = self.model.norm(x)
-        return out
+            delta = layer(i, x, delta, cos, sin, pool, meta)
+        if delta is None:
+            return self.model.norm(x)
+        return self.model.norm.add_forward_(x, delta)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 ``[rows, vocab]`` logits of final hidden states."""
