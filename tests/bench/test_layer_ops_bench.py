@@ -26,7 +26,25 @@ def test_every_step_is_timed_both_ways_and_the_total_adds_up(capsys) -> None:
         assert float(total) == pytest.approx(saved, abs=0.02)
 
 
-@pytest.mark.parametrize("argv", [["--rows", "0"], ["--rows", "x"], ["--head-dim", "63"]])
+@pytest.mark.skipif(cpu_kernels.why_unavailable() is not None, reason="no CPU kernels here")
+def test_forward_runs_the_model_both_ways_and_leaves_the_dispatch_as_it_was(capsys) -> None:
+    supported = cpu_kernels.layer_ops_supported
+    argv = ["--rows", "1", "--repeats", "1", "--forward", "40", "--model", "tiny", "--rounds", "2"]
+    assert lob.main(argv) == 0
+    assert cpu_kernels.layer_ops_supported is supported
+    out = capsys.readouterr().out
+    sides = re.findall(
+        r"^  (kernels|torch's ops) +prefill s: (.*); decode ms a token: (.*)$", out, re.M
+    )
+    assert [side for side, _, _ in sides] == ["kernels", "torch's ops"]
+    for _, prefill, decode in sides:
+        assert len(prefill.split(", ")) == len(decode.split(", ")) == 2
+        assert all(float(v) > 0 for v in prefill.split(", ") + decode.split(", "))
+
+
+@pytest.mark.parametrize(
+    "argv", [["--rows", "0"], ["--rows", "x"], ["--head-dim", "63"], ["--forward", "-1"]]
+)
 def test_bad_arguments_are_refused(argv: list[str], capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         lob.main(argv)
