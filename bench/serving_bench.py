@@ -62,7 +62,8 @@ requests fall in two modes (first turns compute the system block, later turns do
 move with a handful of requests; the pairing does not.
 
 ``--json`` writes every figure; ``--from-json`` prints the report of such a file again
-without starting a server. Figures: bench/RESULTS.md.
+without starting a server, or of several pooled (their rounds added up, each request
+still paired within its own run). Figures: bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -765,6 +766,30 @@ def report(results: list[LoadResult]) -> str:
     return out
 
 
+def load_runs(p: argparse.ArgumentParser, paths: list[Path]) -> list[LoadResult]:
+    """The results of ``--json`` files, pooled: each file's rounds are numbered after
+    the previous file's, so that a request is paired only within its own run's round."""
+    pooled: list[LoadResult] = []
+    for path in paths:
+        try:
+            saved = json.loads(path.read_text())
+            results = [LoadResult(**x) for x in saved["results"]]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            p.error(f"--from-json {path}: not a serving_bench --json file ({exc})")
+        # NOTE: files written before rounds were recorded hold each server's loads in
+        # round order: the n-th of a (server, load, C) is round n.
+        seen: dict[tuple[str, str, int], int] = {}
+        for x in results:
+            k = (x.server, x.load, x.concurrency)
+            seen[k] = seen.get(k, -1) + 1
+            x.extra.setdefault("round", seen[k])
+        offset = 1 + max((int(x.extra["round"]) for x in pooled), default=-1)
+        for x in results:
+            x.extra["round"] = int(x.extra["round"]) + offset
+        pooled.extend(results)
+    return pooled
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--servers", default=",".join(SERVERS), help=f"of {', '.join(SERVERS)} (all)")
@@ -810,8 +835,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--from-json",
         type=Path,
+        nargs="+",
         metavar="PATH",
-        help="start no server: print the report of a run that --json wrote",
+        help="start no server: print the report of a run that --json wrote; several files "
+        "pool their rounds (requests are still paired within a round)",
     )
     return p
 
@@ -820,19 +847,7 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     if args.from_json is not None:
-        try:
-            saved = json.loads(args.from_json.read_text())
-            results = [LoadResult(**x) for x in saved["results"]]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            p.error(f"--from-json {args.from_json}: not a serving_bench --json file ({exc})")
-        # NOTE: files written before rounds were recorded hold each server's loads in
-        # round order: the n-th of a (server, load, C) is round n.
-        seen: dict[tuple[str, str, int], int] = {}
-        for x in results:
-            k = (x.server, x.load, x.concurrency)
-            seen[k] = seen.get(k, -1) + 1
-            x.extra.setdefault("round", seen[k])
-        print(report(results))
+        print(report(load_runs(p, args.from_json)))
         return 0
     from cachepoint.replica.settings import parse_bytes
 

@@ -272,3 +272,23 @@ def test_from_json_reprints_a_saved_run_without_starting_a_server(tmp_path, caps
         sb.main(["--from-json", str(bad)])
     assert exc.value.code == 2
     assert "not a serving_bench --json file" in capsys.readouterr().err
+
+
+def test_from_json_pools_several_runs_pairing_within_each_run(tmp_path, capsys):
+    """Both files have a round 0 with different prompts: pooled, each request is still
+    compared with its own run's twin (1.00x), not the other run's (4x or 0.25x)."""
+    from dataclasses import asdict
+
+    paths = []
+    for name, ttft in (("a.json", 1.0), ("b.json", 4.0)):
+        run = [_agent("vllm", 0, [ttft, ttft]), _agent("cp-vllm", 0, [ttft, ttft])]
+        path = tmp_path / name
+        path.write_text(json.dumps({"results": [asdict(r) for r in run]}))
+        paths.append(str(path))
+    assert sb.main(["--from-json", *paths]) == 0
+    out = capsys.readouterr().out
+    assert "agent  | 2 | cp-vllm |     4 | 1.00x [1.00-1.00] within 5%" in out
+    with pytest.raises(SystemExit) as exc:
+        sb.main(["--from-json", paths[0], str(tmp_path / "missing.json")])
+    assert exc.value.code == 2
+    assert "missing.json: not a serving_bench --json file" in capsys.readouterr().err
