@@ -24,7 +24,12 @@ from cachepoint.engine.rotary import apply_rotary
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x * rsqrt(mean(x**2) + eps) * weight`` over the last dimension."""
-    if cpu_kernels.layer_ops_supported(x) and x.dim() == 2 and x.stride(-1) == 1:
+    if (
+        cpu_kernels.layer_ops_supported(x)
+        and x.dim() == 2
+        and x.stride(-1) == 1
+        and weight.dtype == torch.float32
+    ):
         return cpu_kernels.rms_norm(x, weight, eps)
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
@@ -42,7 +47,7 @@ def add_rms_norm_(
         cpu_kernels.layer_ops_supported(residual)
         and residual.dim() == 2
         and residual.stride(-1) == 1
-        and delta.dtype == torch.float32
+        and delta.dtype == weight.dtype == torch.float32
         and delta.shape == residual.shape
         and delta.stride(-1) == 1
     ):
@@ -60,8 +65,10 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     if (
         cpu_kernels.layer_ops_supported(x)
         and x.stride(-1) == 1
+        and x.dim() == 3
         and cos.dtype == sin.dtype == torch.float32
-        and cos.shape[0] == x.shape[0]
+        and cos.shape == sin.shape
+        and cos.numel() == x.shape[0] * x.shape[-1]
     ):
         tokens = x.shape[0]
         cos2, sin2 = cos.reshape(tokens, -1).contiguous(), sin.reshape(tokens, -1).contiguous()

@@ -154,3 +154,16 @@ def test_dispatch_uses_the_kernels_on_float32_cpu_and_torch_elsewhere(
     assert calls == []
     for got, expected in zip(kernel, fallback, strict=True):
         torch.testing.assert_close(got, expected, rtol=3e-6, atol=3e-6)
+
+
+def test_rotate_leaves_shapes_the_kernel_does_not_take_to_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One angle broadcast over every token is torch's broadcasting, not the kernel's
+    [tokens, D]: the dispatch must not hand it over (nor rotate in place)."""
+    monkeypatch.setattr(cpu_kernels, "rotary_", lambda *a: pytest.fail("kernel called"))
+    x = torch.randn(5, 3, 8)
+    angle = torch.linspace(0, 1, 8)[None, None, :]
+    got = layer_ops.rotate(x, angle.cos(), angle.sin())
+    assert got is not x
+    assert torch.equal(got, apply_rotary(x, angle.cos(), angle.sin()))
