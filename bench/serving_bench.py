@@ -268,7 +268,9 @@ def vllm_serve(folder: Path, kv_budget: int, work: Path) -> Iterator[Server]:
 
 
 @contextlib.contextmanager
-def cachepoint_up(engine: str, kv_budget: int, work: Path) -> Iterator[Server]:
+def cachepoint_up(
+    engine: str, kv_budget: int, work: Path, block_size: int | None = None
+) -> Iterator[Server]:
     from cachepoint.embedded.stack import Stack
 
     if engine == "vllm":
@@ -283,6 +285,7 @@ def cachepoint_up(engine: str, kv_budget: int, work: Path) -> Iterator[Server]:
         engine=engine,
         kv_budget=str(kv_budget),
         tracing=False,
+        block_size=block_size,
     )
     stack.start()
     assert stack.credentials is not None
@@ -302,11 +305,11 @@ def cachepoint_up(engine: str, kv_budget: int, work: Path) -> Iterator[Server]:
 
 
 def start(
-    name: str, folder: Path, kv_budget: int, work: Path
+    name: str, folder: Path, kv_budget: int, work: Path, block_size: int | None = None
 ) -> contextlib.AbstractContextManager[Server]:
     if name == "vllm":
         return vllm_serve(folder, kv_budget, work)
-    return cachepoint_up("torch" if name == "torch" else "vllm", kv_budget, work)
+    return cachepoint_up("torch" if name == "torch" else "vllm", kv_budget, work, block_size)
 
 
 # ------------------------------------------------------------------ the agent load
@@ -823,6 +826,13 @@ def build_parser() -> argparse.ArgumentParser:
         "ships (vllm serve: libgomp's own spin; cachepoint up: 10000 for its replicas); a "
         "number sets it for all three (default)",
     )
+    p.add_argument(
+        "--cp-block-size",
+        type=int,
+        metavar="TOKENS",
+        help="KV block size of cachepoint up's replicas (default: the stack's own, 16 on "
+        "the torch engine, 32 on vLLM; `vllm serve` keeps its CPU default of 128)",
+    )
     p.add_argument("--cache-dir", type=Path, default=ROOT / "build" / "serving-bench")
     p.add_argument("--json", type=Path, help="write every figure here")
     p.add_argument(
@@ -846,6 +856,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
+    if args.cp_block_size is not None and args.cp_block_size < 1:
+        p.error(f"--cp-block-size: a positive number of tokens, not {args.cp_block_size}")
     if args.from_json is not None:
         print(report(load_runs(p, args.from_json)))
         return 0
@@ -880,7 +892,7 @@ def main(argv: list[str] | None = None) -> int:
                 work = Path(tmp)
                 print(f"round {r}: starting {name}", flush=True)
                 try:
-                    with start(name, folder, kv_budget, work) as server:
+                    with start(name, folder, kv_budget, work, args.cp_block_size) as server:
                         warm_up(server, args)
                         for c in sweep:
                             for load in loads:

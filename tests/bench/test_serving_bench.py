@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -292,3 +293,15 @@ def test_from_json_pools_several_runs_pairing_within_each_run(tmp_path, capsys):
         sb.main(["--from-json", paths[0], str(tmp_path / "missing.json")])
     assert exc.value.code == 2
     assert "missing.json: not a serving_bench --json file" in capsys.readouterr().err
+
+
+def test_cp_block_size_reaches_cachepoint_up_and_a_bad_one_is_refused(monkeypatch, capsys):
+    seen = []
+    monkeypatch.setattr(sb, "cachepoint_up", lambda *a: seen.append(a) or "server")
+    assert sb.start("cp-vllm", Path("."), 1, Path("."), 128) == "server"
+    assert sb.start("torch", Path("."), 1, Path(".")) == "server"
+    assert [(a[0], a[3]) for a in seen] == [("vllm", 128), ("torch", None)]
+    with pytest.raises(SystemExit) as exc:
+        sb.main(["--servers", "cp-vllm", "--loads", "agent", "--cp-block-size", "0"])
+    assert exc.value.code == 2
+    assert "--cp-block-size" in capsys.readouterr().err
