@@ -67,6 +67,7 @@ class GatewayBus:
         nats_user: str | None = None,
         nats_password: str | None = None,
         health_interval_s: float = 0.0,
+        startup_timeout_s: float = 5.0,
     ) -> None:
         self.directory = directory
         self.nats_url = nats_url
@@ -76,6 +77,7 @@ class GatewayBus:
         self.nats_user = nats_user  # None: connect without credentials
         self.nats_password = nats_password
         self.health_interval_s = health_interval_s  # /readyz poll period; 0 = no polls
+        self.startup_timeout_s = startup_timeout_s  # the first /v1/stats poll's timeout
         self.nc: Client | None = None
         self.connected = False  # NATS up right now
         self.stale_batches = 0  # undecodable or unknown-version messages dropped
@@ -85,7 +87,11 @@ class GatewayBus:
         self.lag_s = 0.0  # publish-to-apply delay of the last batch (event lag)
 
     async def start(self) -> None:
-        await self._poll_stats()  # know the static replicas before the first request
+        # NOTE: know the static replicas before the first request. A replica that is
+        # down refuses at once; one that is up but busy (a loaded host, its first
+        # request) gets longer than a routine poll's second, or the gateway would
+        # open with nothing to route to and answer 503 until the next round.
+        await self._poll_stats(timeout_s=self.startup_timeout_s)
         self.directory.sweep()
         self._tasks.append(asyncio.create_task(self._maintain(), name="directory-sweep"))
         if self.health_interval_s > 0:
@@ -243,7 +249,7 @@ class GatewayBus:
             except Exception as exc:  # silent replicas must keep ageing out
                 log.warning("maintenance round failed: %s", exc)
 
-    async def _poll_stats(self) -> None:
+    async def _poll_stats(self, timeout_s: float = 1.0) -> None:
         urls = set(self.seed_urls)
         urls.update(st.url for st in self.directory.replicas.values() if st.url)
 
@@ -252,7 +258,7 @@ class GatewayBus:
                 # NOTE: a poll is housekeeping, not a request: a trace per poll would
                 # bury the requests' traces (the replica skips /v1/stats likewise).
                 with suppress_http_instrumentation():
-                    r = await self.http.get(f"{url}/v1/stats", timeout=1.0)
+                    r = await self.http.get(f"{url}/v1/stats", timeout=timeout_s)
                 if r.status_code == 200:
                     stats = r.json()
                     self.directory.on_stats(str(stats["replica"]), url, stats)
