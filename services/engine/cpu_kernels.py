@@ -42,6 +42,9 @@ SOURCES = tuple(
     Path(__file__).with_name("csrc") / f
     for f in ("paged_prefill.cpp", "paged_decode.cpp", "small_matmul.cpp", "layer_ops.cpp")
 )
+# NOTE: the headers the sources include: not compiled on their own, but they shape the
+# binary, so they are part of its name (a changed header must not load a stale build).
+HEADERS = (Path(__file__).with_name("csrc") / "vec_math.h",)
 # NOTE: -fopenmp makes at::parallel_for parallel (it is an OpenMP pragma in a header);
 # the library then links libgomp.so.1, which resolves to the copy torch already loaded,
 # so the kernel runs on torch's own thread team and honours torch.set_num_threads.
@@ -64,7 +67,7 @@ def cache_root() -> Path:
 def library_name() -> str:
     """The build's name: a digest of what shapes the binary."""
     h = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         h.update(source.read_bytes())
     h.update(torch.__version__.encode())
     h.update(" ".join(FLAGS).encode())

@@ -211,6 +211,25 @@ def test_the_library_is_named_by_its_source_and_torch(
     assert cpu_kernels.library_path().parent.parent == tmp_path
 
 
+def test_every_header_a_source_includes_names_the_library(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    import re
+
+    included = {
+        name
+        for source in cpu_kernels.SOURCES
+        for name in re.findall(r'^#include "([^"]+)"', source.read_text(), re.M)
+    }
+    assert included == {h.name for h in cpu_kernels.HEADERS}
+    # and a header that changes is a new build, not the old binary loaded
+    name = cpu_kernels.library_name()
+    copy = tmp_path / "vec_math.h"
+    copy.write_text(cpu_kernels.HEADERS[0].read_text() + "\n// changed\n")
+    monkeypatch.setattr(cpu_kernels, "HEADERS", (copy,))
+    assert cpu_kernels.library_name() != name
+
+
 def test_the_build_command_reports_what_it_finds(tmp_path) -> None:
     """``--check`` on an empty cache says where it would build, and builds nothing; the
     default cache (``make install`` built it) reports the built library."""

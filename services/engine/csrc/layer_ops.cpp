@@ -20,6 +20,8 @@
 
 #include <immintrin.h>
 
+#include "vec_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -30,6 +32,8 @@
 #pragma GCC optimize("fp-contract=off")
 
 namespace {
+
+using cachepoint_vec::exp_ps;
 
 // Rows a thread takes at least: below this many values a pass is cheaper than waking
 // the other threads.
@@ -162,25 +166,6 @@ void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
       }
     }
   });
-}
-
-// exp(x) for x in float32 range: x = n ln2 + r with |r| <= ln2/2, exp(r) by Cephes'
-// expf polynomial, then scaled by 2^n. Within 2 ulp of expf; saturates to 0 and the
-// largest finite value past the ends.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
 }
 
 // x [rows, 2I] (the gate and up projections side by side) -> silu(gate) * up [rows, I].

@@ -19,6 +19,8 @@
 
 #include <immintrin.h>
 
+#include "vec_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -26,26 +28,13 @@
 
 namespace {
 
+using cachepoint_vec::exp2_nonpositive;
+
 constexpr int kKeys = 16;       // keys scored together: one vector of scores per row
 constexpr int kMaxGroup = 16;   // query heads per KV head
 constexpr int64_t kChunk = 512;  // keys per task, at least (a chunk's K/V: 64-256 KiB)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-
-// 2^x for x <= 0; see paged_prefill.cpp.
-inline __m512 exp2_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // The 16 lane sums of a[0..15], as one vector: out[j] = sum(a[j]). A transpose-and-add
 // tree, 45 shuffles and adds for 16 dot products instead of 16 horizontal reductions

@@ -20,33 +20,20 @@
 
 #include <immintrin.h>
 
+#include "vec_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 
 namespace {
 
+using cachepoint_vec::exp2_nonpositive;
+
 constexpr int kRows = 16;  // query rows of one task: one AVX-512 vector of float32
 constexpr int kTile = 64;  // keys per online-softmax tile (its scores stay in L1)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-
-// 2^x for x <= 0 (scores minus their running max). Cephes' exp2f polynomial on the
-// rounded fraction, scaled by vscalefps: about 2e-7 relative error, far inside the
-// 1e-4 within which a cached prefill must reproduce a cold one.
-inline __m512 exp2_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));  // NOTE: -inf would make NaN below
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 struct Task {
   const float* q;        // [tokens, q_heads, D], last dim contiguous
