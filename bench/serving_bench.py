@@ -61,6 +61,11 @@ spans 1.05), and the ratio of the loads' wall times. Percentiles of a load whose
 requests fall in two modes (first turns compute the system block, later turns do not)
 move with a handful of requests; the pairing does not.
 
+Each load also gets a CPU account (bench/cpu_account.py): the CPU seconds of every
+process of the server (`vllm serve` and its engine core; the gateway, each replica and
+its engine core, nats-server) and of the bench itself, per request, with how busy the
+whole machine was. On 2 cores the engine's prefill gets what the rest leaves it.
+
 ``--json`` writes every figure; ``--from-json`` prints the report of such a file again
 without starting a server, or of several pooled (their rounds added up, each request
 still paired within its own run). Figures: bench/RESULTS.md.
@@ -90,6 +95,8 @@ from typing import Any
 import anthropic
 import httpx
 
+from cachepoint.bench import cpu_account
+
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_BIN = ROOT / ".venv-vllm" / "bin"
 AIPERF = ROOT / ".venv-aiperf" / "bin" / "aiperf"
@@ -114,6 +121,8 @@ class Server:
     # Prometheus endpoints to scrape for the time breakdown (Cachepoint only): URL ->
     # headers (the replicas' /metrics takes the stack's internal token)
     metrics: dict[str, dict[str, str]] = field(default_factory=dict)
+    # its processes for the CPU account: role -> process group id (each leads its own)
+    groups: dict[str, int] = field(default_factory=dict)
 
 
 # Histograms whose per-request means make the breakdown (docs in the module docstring).
@@ -247,6 +256,9 @@ def vllm_serve(folder: Path, kv_budget: int, work: Path) -> Iterator[Server]:
         "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32",
         "--enable-prefix-caching", "--max-model-len", "8192",
         "--kv-cache-memory-bytes", str(kv_budget), "--disable-log-stats",
+        # NOTE: reports its cache hits in the usage (bench's "cache_read_tokens"): only
+        # the usage changes, not what the engine computes.
+        "--enable-prompt-tokens-details",
     ]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     with log.open("wb") as out:
@@ -255,7 +267,7 @@ def vllm_serve(folder: Path, kv_budget: int, work: Path) -> Iterator[Server]:
         )
     try:
         _wait_http(f"http://127.0.0.1:{port}/health", proc, 600, log)
-        yield Server("vllm", f"http://127.0.0.1:{port}", "unused")
+        yield Server("vllm", f"http://127.0.0.1:{port}", "unused", groups={"serve": proc.pid})
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -299,6 +311,7 @@ def cachepoint_up(
             stack.base_url,
             stack.keys["api_key"],
             metrics,
+            groups={c.name: c.proc.pid for c in stack.children},
         )
     finally:
         stack.stop()
@@ -328,6 +341,17 @@ def pct(xs: list[float], q: float) -> float:
     return ys[lo] + (ys[hi] - ys[lo]) * (k - lo)
 
 
+def buckets(usage: Any) -> dict[str, int]:
+    """A Messages usage as (computed, read from cache, written) prompt tokens: what the
+    server prefilled and what it reused (`vllm serve` reports reads with
+    --enable-prompt-tokens-details, which the bench gives it, and no writes)."""
+    return {
+        "input_tokens": int(usage.input_tokens or 0),
+        "cache_read_tokens": int(getattr(usage, "cache_read_input_tokens", None) or 0),
+        "cache_write_tokens": int(getattr(usage, "cache_creation_input_tokens", None) or 0),
+    }
+
+
 def agent_load(server: Server, concurrency: int, args: argparse.Namespace, seed: int) -> LoadResult:
     """C Claude-Code-shaped sessions at once, --turns turns each (module docstring)."""
     rng = random.Random(seed)
@@ -339,9 +363,10 @@ def agent_load(server: Server, concurrency: int, args: argparse.Namespace, seed:
     ttfts: list[float] = []
     latencies: list[float] = []
     outputs: list[int] = []
-    # (session, turn, TTFT s, latency s, start s from the load's start) of each answered
-    # request, for the JSON: which turns make the tail, and what ran beside them
-    records: list[tuple[int, int, float, float, float]] = []
+    # (session, turn, TTFT s, latency s, start s from the load's start, usage) of each
+    # answered request, for the JSON: which turns make the tail, what ran beside them,
+    # and how much of each prompt the server computed (its usage's three buckets)
+    records: list[tuple[int, int, float, float, float, dict[str, int]]] = []
     failed = 0
     lock = threading.Lock()
 
@@ -380,13 +405,17 @@ def agent_load(server: Server, concurrency: int, args: argparse.Namespace, seed:
                     ttfts.append(ttft if ttft is not None else end)
                     latencies.append(end)
                     outputs.append(final.usage.output_tokens)
-                    records.append((i, turn, ttfts[-1], end, t0 - t_load))
+                    records.append((i, turn, ttfts[-1], end, t0 - t_load, buckets(final.usage)))
             except anthropic.APIError as exc:
                 print(f"  {server.name}: session {i} failed: {exc}", file=sys.stderr)
                 with lock:
                     failed += 1
                 return
             del last["cache_control"]
+            if args.think_s > 0 and turn < args.turns - 1:
+                # NOTE: the tool's run time before the next request, drawn from the
+                # session's own seed: every server gets the same pauses in a round.
+                time.sleep(random.Random(f"{seed}/{i}/{turn}").uniform(0, args.think_s))
             messages.append({"role": "assistant", "content": [{"type": "text", "text": text}]})
             tool = "Tool output:\n" + words(srng, int(args.turn_tokens / 1.3))
             messages.append({"role": "user", "content": [{"type": "text", "text": tool}]})
@@ -412,8 +441,15 @@ def agent_load(server: Server, concurrency: int, args: argparse.Namespace, seed:
         wall,
         {
             "requests": [
-                {"session": i, "turn": t, "ttft_s": ttft, "latency_s": lat, "start_s": at}
-                for i, t, ttft, lat, at in sorted(records)
+                {
+                    "session": i,
+                    "turn": t,
+                    "ttft_s": ttft,
+                    "latency_s": lat,
+                    "start_s": at,
+                    **usage,
+                }
+                for i, t, ttft, lat, at, usage in sorted(records, key=lambda r: r[:2])
             ]
         },
     )
@@ -760,12 +796,107 @@ def render_paired(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def cpu_rows(results: list[LoadResult]) -> list[dict[str, Any]]:
+    """Per load, concurrency and server: CPU seconds a request by "role/command"
+    (bench/cpu_account.py), over every round that kept an account, and the machine's
+    median busy fraction. The load generator is role "bench"."""
+    rows = []
+    for load, c in sorted({(r.load, r.concurrency) for r in results}):
+        for name in SERVERS:
+            rs = [
+                r
+                for r in results
+                if (r.load, r.concurrency, r.server) == (load, c, name) and "cpu_s" in r.extra
+            ]
+            n = sum(r.requests for r in rs)
+            if not n:
+                continue
+            total: dict[str, float] = {}
+            for r in rs:
+                for k, v in r.extra["cpu_s"].items():
+                    total[k] = total.get(k, 0.0) + v
+            per = {k: round(v / n, 3) for k, v in sorted(total.items(), key=lambda kv: -kv[1])}
+            server_s = sum(v for k, v in per.items() if not k.startswith("bench/"))
+            # NOTE: what the engine had to prefill beside what it spent: more CPU for the
+            # same prompts is overhead; more computed tokens is a worse cache.
+            reqs = [q for r in rs for q in r.extra.get("requests", []) if "input_tokens" in q]
+            prompt = computed = None
+            if reqs:
+                computed = statistics.mean(
+                    q["input_tokens"] + q["cache_write_tokens"] for q in reqs
+                )
+                prompt = computed + statistics.mean(q["cache_read_tokens"] for q in reqs)
+            rows.append(
+                {
+                    "load": load,
+                    "concurrency": c,
+                    "server": name,
+                    "in_step": in_step(rs),
+                    "per_request_s": per,
+                    "server_s": round(server_s, 3),
+                    "machine_busy": statistics.median(r.extra["machine_busy"] for r in rs),
+                    "prompt_tokens": None if prompt is None else round(prompt),
+                    "computed_tokens": None if computed is None else round(computed),
+                }
+            )
+    return rows
+
+
+IN_STEP_S = 0.05  # requests sent this close together arrive as one herd
+
+
+def in_step(rs: list[LoadResult]) -> float | None:
+    """The share of later turns (turn > 0) sent within IN_STEP_S of another session's
+    request in the same round: sessions in lockstep. Identical sessions with no pause
+    between turns can fall into step (a coalesced first turn ends together, and equal
+    turns keep them together); their prefills then share each step, and every one of
+    them waits for all (bench/RESULTS.md, issue 32). None without per-request starts."""
+    hits = total = 0
+    for r in rs:
+        reqs = [q for q in r.extra.get("requests", []) if "start_s" in q]
+        for q in reqs:
+            if q["turn"] == 0:
+                continue
+            total += 1
+            hits += any(
+                o["session"] != q["session"] and abs(o["start_s"] - q["start_s"]) <= IN_STEP_S
+                for o in reqs
+            )
+    return round(hits / total, 2) if total else None
+
+
+def render_cpu(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "load   | C | server  | in step | busy | prompt, computed tokens/request | "
+        "server CPU s/request | by process (s/request, >= 0.01)",
+        "-------|---|---------|---------|------|---------------------------------|"
+        "----------------------|--------------------------------",
+    ]
+    for r in rows:
+        by = ", ".join(f"{k} {v:.2f}" for k, v in r["per_request_s"].items() if v >= 0.01)
+        toks = (
+            f"{r['prompt_tokens']}, {r['computed_tokens']}"
+            if r.get("prompt_tokens") is not None
+            else "-"
+        )
+        lines.append(
+            f"{r['load']:<6} | {r['concurrency']} | {r['server']:<7} | "
+            f"{'-' if r.get('in_step') is None else format(r['in_step'], '.0%'):>7} | "
+            f"{r['machine_busy']:4.0%} | "
+            f"{toks:>31} | {r['server_s']:20.2f} | {by}"
+        )
+    return "\n".join(lines)
+
+
 def report(results: list[LoadResult]) -> str:
     """Everything printed at the end of a run (and by --from-json)."""
     out = render(ratios(results))
     pairs = paired(results)
     if pairs:
         out += "\n\n" + render_paired(pairs)
+    cpu = cpu_rows(results)
+    if cpu:
+        out += "\n\n" + render_cpu(cpu)
     return out
 
 
@@ -803,6 +934,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system-tokens", type=int, default=2000, help="agent: shared system (2000)")
     p.add_argument("--turn-tokens", type=int, default=150, help="agent: tool output a turn (150)")
     p.add_argument("--turns", type=int, default=6, help="agent: turns a session (6)")
+    p.add_argument(
+        "--think-s",
+        type=float,
+        default=0.0,
+        help="agent: the tool's time between an answer and the next request, uniform in "
+        "[0, S] seconds, the same for every server in a round (0: none, every session "
+        "sends its next turn at once; identical sessions can then run in lockstep)",
+    )
     p.add_argument("--max-tokens", type=int, default=32, help="agent: output tokens (32)")
     p.add_argument("--aiperf-conversations", type=int, default=4, help="aiperf (4)")
     p.add_argument("--aiperf-turns", type=int, default=3, help="aiperf (3)")
@@ -898,10 +1037,19 @@ def main(argv: list[str] | None = None) -> int:
                             for load in loads:
                                 seed = 1000 * r + c
                                 before = scrape(server)
+                                groups = {**server.groups, "bench": os.getpgid(0)}
+                                cpu0, m0 = cpu_account.sample(groups), cpu_account.machine()
                                 res = (
                                     agent_load(server, c, args, seed)
                                     if load == "agent"
                                     else aiperf_load(server, c, args, folder, work, seed)
+                                )
+                                m1 = cpu_account.machine()
+                                res.extra["cpu_s"] = cpu_account.delta(
+                                    cpu0, cpu_account.sample(groups)
+                                )
+                                res.extra["machine_busy"] = round(
+                                    (m1[0] - m0[0]) / max(m1[1] - m0[1], 1e-9), 3
                                 )
                                 res.extra["breakdown_s"] = breakdown(before, scrape(server))
                                 res.extra["round"] = r  # the prompts' seed: paired() matches on it
@@ -915,6 +1063,13 @@ def main(argv: list[str] | None = None) -> int:
                                 )
                                 for metric, mean in res.extra["breakdown_s"].items():
                                     print(f"    {BREAKDOWN[metric]}: {mean:.3f} s", flush=True)
+                                print(
+                                    f"    CPU s (machine {res.extra['machine_busy']:.0%} busy): "
+                                    + ", ".join(
+                                        f"{k} {v:.1f}" for k, v in res.extra["cpu_s"].items() if v
+                                    ),
+                                    flush=True,
+                                )
                 except Exception as exc:
                     print(f"{name}: {exc}", file=sys.stderr)
                     keep = args.cache_dir / "failed"
@@ -927,7 +1082,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(
             json.dumps(
-                {"results": [asdict(x) for x in results], "rows": rows, "paired": paired(results)},
+                {
+                    "results": [asdict(x) for x in results],
+                    "rows": rows,
+                    "paired": paired(results),
+                    "cpu": cpu_rows(results),
+                },
                 indent=2,
             )
         )

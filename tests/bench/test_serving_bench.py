@@ -305,3 +305,140 @@ def test_cp_block_size_reaches_cachepoint_up_and_a_bad_one_is_refused(monkeypatc
         sb.main(["--servers", "cp-vllm", "--loads", "agent", "--cp-block-size", "0"])
     assert exc.value.code == 2
     assert "--cp-block-size" in capsys.readouterr().err
+
+
+def test_the_cpu_table_is_per_request_by_process_over_rounds(capsys):
+    def res(server: str, r: int, cpu: dict[str, float], busy: float) -> sb.LoadResult:
+        return sb.LoadResult(
+            server, "agent", 4, 1, 2, 3, 4, 5, 10,
+            extra={"round": r, "cpu_s": cpu, "machine_busy": busy},
+        )  # fmt: skip
+
+    small = {"serve/python": 1.0, "bench/python": 2.0}
+    results = [
+        res("vllm", 0, {"serve/VLLM::EngineCor": 30.0, **small}, 0.9),
+        res("vllm", 1, {"serve/VLLM::EngineCor": 50.0, **small}, 0.95),
+        res("cp-vllm", 0, {"replica-0/VLLM::EngineCor": 41.0, "gateway/python": 3.0}, 0.99),
+        # a round from a file written before the account existed: left out
+        sb.LoadResult("cp-vllm", "agent", 4, 1, 2, 3, 4, 5, 10, extra={"round": 1}),
+    ]
+    rows = {r["server"]: r for r in sb.cpu_rows(results)}
+    assert rows["vllm"]["per_request_s"] == {
+        "serve/VLLM::EngineCor": 4.0, "bench/python": 0.2, "serve/python": 0.1
+    }  # fmt: skip
+    assert rows["vllm"]["server_s"] == 4.1  # the load generator is not the server's
+    assert rows["vllm"]["machine_busy"] == 0.925
+    assert rows["cp-vllm"]["per_request_s"] == {
+        "replica-0/VLLM::EngineCor": 4.1, "gateway/python": 0.3
+    }  # fmt: skip
+    assert rows["vllm"]["prompt_tokens"] is None  # no usage recorded: no token columns
+    table = sb.report(results)
+    assert "server CPU s/request" in table
+    assert "gateway/python 0.30" in table
+
+
+def test_the_cpu_table_sets_the_prefill_beside_the_cpu():
+    def q(inp: int, read: int, write: int) -> dict:
+        return {"ttft_s": 1.0, "latency_s": 2.0, "input_tokens": inp,
+                "cache_read_tokens": read, "cache_write_tokens": write}  # fmt: skip
+
+    r = sb.LoadResult(
+        "cp-vllm", "agent", 2, 1, 2, 3, 4, 5, 2,
+        extra={"round": 0, "cpu_s": {"gateway/python": 1.0}, "machine_busy": 0.5,
+               "requests": [q(10, 0, 2000), q(150, 2000, 0)]},
+    )  # fmt: skip
+    (row,) = sb.cpu_rows([r])
+    # computed = uncached input + written (both prefilled); prompt adds the reads
+    assert (row["prompt_tokens"], row["computed_tokens"]) == (2080, 1080)
+    assert "2080, 1080" in sb.render_cpu([row])
+
+
+def test_usage_buckets_read_both_servers_usages():
+    class Usage:  # vLLM's: no write bucket, reads only with prompt tokens details on
+        input_tokens, cache_read_input_tokens = 40, 2048
+
+    assert sb.buckets(Usage()) == {
+        "input_tokens": 40, "cache_read_tokens": 2048, "cache_write_tokens": 0
+    }  # fmt: skip
+
+
+class _FakeStream:
+    """What agent_load reads of the SDK's message stream: events, then the message."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace as NS
+
+        self.final = NS(
+            content=[NS(type="text", text="done")],
+            usage=NS(output_tokens=4, input_tokens=10, cache_read_input_tokens=100,
+                     cache_creation_input_tokens=0),
+        )  # fmt: skip
+
+    def __enter__(self):
+        return self
+
+    def __iter__(self):
+        from types import SimpleNamespace as NS
+
+        return iter([NS(type="content_block_delta")])
+
+    def __exit__(self, *exc):
+        return False
+
+    def get_final_message(self):
+        return self.final
+
+
+def _agent_run(
+    monkeypatch, think_s: float, seed: int
+) -> tuple[list[tuple[int, float]], sb.LoadResult]:
+    import argparse
+    import threading
+    from types import SimpleNamespace as NS
+
+    pauses: list[tuple[int, float]] = []
+
+    class Client:
+        def __init__(self, **kw) -> None:
+            self.messages = NS(stream=lambda **kw: _FakeStream())
+
+    def fake_sleep(s: float) -> None:
+        pauses.append((threading.get_ident(), s))
+
+    monkeypatch.setattr(sb.anthropic, "Anthropic", Client)
+    monkeypatch.setattr(sb.time, "sleep", fake_sleep)
+    args = argparse.Namespace(
+        system_tokens=50, turns=3, max_tokens=4, turn_tokens=20, think_s=think_s
+    )
+    res = sb.agent_load(sb.Server("cp-vllm", "http://x", "k"), 2, args, seed)
+    return pauses, res
+
+
+def test_think_time_pauses_between_turns_the_same_for_every_server(monkeypatch):
+    pauses, res = _agent_run(monkeypatch, 1.0, seed=7)
+    assert res.requests == 6 and res.failed == 0
+    # two sessions x (3 turns - 1): no pause after a session's last answer
+    assert len(pauses) == 4
+    assert all(0 <= s <= 1.0 for _, s in pauses)
+    again, _ = _agent_run(monkeypatch, 1.0, seed=7)
+    assert sorted(s for _, s in again) == sorted(s for _, s in pauses)  # same round, same pauses
+    other, _ = _agent_run(monkeypatch, 1.0, seed=8)
+    assert sorted(s for _, s in other) != sorted(s for _, s in pauses)
+    none, res = _agent_run(monkeypatch, 0.0, seed=7)
+    assert none == [] and res.requests == 6
+    # the usage is kept per request for the prefill columns
+    assert res.extra["requests"][0]["cache_read_tokens"] == 100
+
+
+def test_in_step_counts_later_turns_sent_together():
+    def q(session: int, turn: int, start: float) -> dict:
+        return {"session": session, "turn": turn, "start_s": start, "ttft_s": 1.0, "latency_s": 1.0}
+
+    reqs = [
+        q(0, 0, 0.0), q(1, 0, 0.0), q(2, 0, 0.0),  # first turns: not counted
+        q(0, 1, 5.00), q(1, 1, 5.03), q(2, 1, 6.0),  # 0 and 1 in step, 2 apart
+        q(0, 2, 9.0), q(1, 2, 9.5), q(2, 2, 12.0),  # none
+    ]  # fmt: skip
+    r = sb.LoadResult("vllm", "agent", 3, 1, 2, 3, 4, 5, 9, extra={"round": 0, "requests": reqs})
+    assert sb.in_step([r]) == round(2 / 6, 2)
+    assert sb.in_step([sb.LoadResult("vllm", "aiperf", 3, 1, 2, 3, 4, 5, 9)]) is None
