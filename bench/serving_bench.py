@@ -28,7 +28,10 @@ Loads, at each concurrency C:
   --turn-tokens tool-output block carrying the second marker (the last message's,
   as Claude Code does); --max-tokens output tokens. TTFT is to the first text delta
   (both servers send ``message_start`` at different points), latency to the stream's
-  end, throughput is output tokens over the load's wall time;
+  end, throughput is output tokens over the load's wall time. --think-s S puts the
+  tool's run time between an answer and the next request (uniform in [0, S], the same
+  pauses for every server in a round); with none (the default) identical sessions can
+  fall into lockstep, and the report's "in step" column says how many turns did;
 - ``aiperf``: AIPerf (.venv-aiperf) ``--endpoint-type messages --streaming``,
   multi-turn with a shared system prompt: --aiperf-conversations conversations of
   --aiperf-turns turns, --aiperf-system-tokens shared, --aiperf-turn-tokens per turn,
