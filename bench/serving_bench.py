@@ -345,9 +345,12 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def buckets(usage: Any) -> dict[str, int]:
-    """A Messages usage as (computed, read from cache, written) prompt tokens: what the
-    server prefilled and what it reused (`vllm serve` reports reads with
-    --enable-prompt-tokens-details, which the bench gives it, and no writes)."""
+    """A Messages usage's three prompt buckets: not from cache, read, written.
+
+    `vllm serve` reports its engine's hits as reads (and the rest of its blocks as
+    writes) with --enable-prompt-tokens-details, which the bench gives it: what it
+    computed. Cachepoint's usage is the bill: a write its quota refused is billed as
+    input although vLLM may still have reused the blocks for speed."""
     return {
         "input_tokens": int(usage.input_tokens or 0),
         "cache_read_tokens": int(getattr(usage, "cache_read_input_tokens", None) or 0),
@@ -368,7 +371,7 @@ def agent_load(server: Server, concurrency: int, args: argparse.Namespace, seed:
     outputs: list[int] = []
     # (session, turn, TTFT s, latency s, start s from the load's start, usage) of each
     # answered request, for the JSON: which turns make the tail, what ran beside them,
-    # and how much of each prompt the server computed (its usage's three buckets)
+    # and how much of each prompt came from cache (its usage's three buckets)
     records: list[tuple[int, int, float, float, float, dict[str, int]]] = []
     failed = 0
     lock = threading.Lock()
@@ -820,15 +823,13 @@ def cpu_rows(results: list[LoadResult]) -> list[dict[str, Any]]:
                     total[k] = total.get(k, 0.0) + v
             per = {k: round(v / n, 3) for k, v in sorted(total.items(), key=lambda kv: -kv[1])}
             server_s = sum(v for k, v in per.items() if not k.startswith("bench/"))
-            # NOTE: what the engine had to prefill beside what it spent: more CPU for the
-            # same prompts is overhead; more computed tokens is a worse cache.
+            # NOTE: the prompts beside the CPU: more CPU for the same prompts is overhead.
+            # "Not read" is what vLLM computed, but Cachepoint's bill (see buckets()).
             reqs = [q for r in rs for q in r.extra.get("requests", []) if "input_tokens" in q]
-            prompt = computed = None
+            prompt = unread = None
             if reqs:
-                computed = statistics.mean(
-                    q["input_tokens"] + q["cache_write_tokens"] for q in reqs
-                )
-                prompt = computed + statistics.mean(q["cache_read_tokens"] for q in reqs)
+                unread = statistics.mean(q["input_tokens"] + q["cache_write_tokens"] for q in reqs)
+                prompt = unread + statistics.mean(q["cache_read_tokens"] for q in reqs)
             rows.append(
                 {
                     "load": load,
@@ -839,7 +840,7 @@ def cpu_rows(results: list[LoadResult]) -> list[dict[str, Any]]:
                     "server_s": round(server_s, 3),
                     "machine_busy": statistics.median(r.extra["machine_busy"] for r in rs),
                     "prompt_tokens": None if prompt is None else round(prompt),
-                    "computed_tokens": None if computed is None else round(computed),
+                    "not_read_tokens": None if unread is None else round(unread),
                 }
             )
     return rows
@@ -870,15 +871,15 @@ def in_step(rs: list[LoadResult]) -> float | None:
 
 def render_cpu(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "load   | C | server  | in step | busy | prompt, computed tokens/request | "
+        "load   | C | server  | in step | busy | prompt, not read tokens/request | "
         "server CPU s/request | by process (s/request, >= 0.01)",
-        "-------|---|---------|---------|------|---------------------------------|"
+        "-------|---|---------|---------|------|--------------------------------|"
         "----------------------|--------------------------------",
     ]
     for r in rows:
         by = ", ".join(f"{k} {v:.2f}" for k, v in r["per_request_s"].items() if v >= 0.01)
         toks = (
-            f"{r['prompt_tokens']}, {r['computed_tokens']}"
+            f"{r['prompt_tokens']}, {r['not_read_tokens']}"
             if r.get("prompt_tokens") is not None
             else "-"
         )
@@ -886,7 +887,7 @@ def render_cpu(rows: list[dict[str, Any]]) -> str:
             f"{r['load']:<6} | {r['concurrency']} | {r['server']:<7} | "
             f"{'-' if r.get('in_step') is None else format(r['in_step'], '.0%'):>7} | "
             f"{r['machine_busy']:4.0%} | "
-            f"{toks:>31} | {r['server_s']:20.2f} | {by}"
+            f"{toks:>30} | {r['server_s']:20.2f} | {by}"
         )
     return "\n".join(lines)
 

@@ -348,8 +348,8 @@ def test_the_cpu_table_sets_the_prefill_beside_the_cpu():
                "requests": [q(10, 0, 2000), q(150, 2000, 0)]},
     )  # fmt: skip
     (row,) = sb.cpu_rows([r])
-    # computed = uncached input + written (both prefilled); prompt adds the reads
-    assert (row["prompt_tokens"], row["computed_tokens"]) == (2080, 1080)
+    # not read = uncached input + written (both prefilled on vLLM); prompt adds the reads
+    assert (row["prompt_tokens"], row["not_read_tokens"]) == (2080, 1080)
     assert "2080, 1080" in sb.render_cpu([row])
 
 
