@@ -24,9 +24,10 @@ Loads, at each concurrency C:
 - ``agent``: Claude-Code-shaped sessions through the official ``anthropic`` SDK,
   streaming, greedy: C sessions at once, each --turns turns; a shared static system
   block (--system-tokens, with ``cache_control``, where Claude Code puts one), a
-  per-session block, a first task, then per turn the previous answer and a
-  --turn-tokens tool-output block carrying the second marker (the last message's,
-  as Claude Code does); --max-tokens output tokens. TTFT is to the first text delta
+  per-session block and a first task, one text block of the first message (so that
+  both servers render the same tokens; --session-block), then per turn the previous
+  answer and a --turn-tokens tool-output block carrying the second marker (the last
+  message's, as Claude Code does); --max-tokens output tokens. TTFT is to the first text delta
   (both servers send ``message_start`` at different points), latency to the stream's
   end, throughput is output tokens over the load's wall time. --think-s S puts the
   tool's run time between an answer and the next request (uniform in [0, S], the same
@@ -371,20 +372,27 @@ def agent_load(server: Server, concurrency: int, args: argparse.Namespace, seed:
     outputs: list[int] = []
     # (session, turn, TTFT s, latency s, start s from the load's start, usage) of each
     # answered request, for the JSON: which turns make the tail, what ran beside them,
-    # and how much of each prompt came from cache (its usage's three buckets)
-    records: list[tuple[int, int, float, float, float, dict[str, int]]] = []
+    # how much of each prompt came from cache (its usage's three buckets), and its
+    # answer's length and why it ended (an early EOS sets a session out of step)
+    records: list[tuple[int, int, float, float, float, dict[str, Any]]] = []
     failed = 0
     lock = threading.Lock()
 
     def session(i: int) -> None:
         nonlocal failed
         srng = random.Random(seed * 1000 + i)
-        system = [
-            {"type": "text", "text": static, "cache_control": {"type": "ephemeral"}},
-            {"type": "text", "text": f"Session {i}. " + words(srng, 60)},
-        ]
+        own = f"Session {i}. " + words(srng, 60)
+        task = "Task: " + words(srng, 40)
+        system = [{"type": "text", "text": static, "cache_control": {"type": "ephemeral"}}]
+        if args.session_block == "system":
+            system.append({"type": "text", "text": own})
+        else:
+            # NOTE: one text block, joined as both servers would: `vllm serve` and
+            # Cachepoint join a turn's blocks differently ("" against "\n\n" for the
+            # system's), so separate blocks would give them different prompts.
+            task = own + "\n\n" + task
         messages: list[dict[str, Any]] = [
-            {"role": "user", "content": [{"type": "text", "text": "Task: " + words(srng, 40)}]}
+            {"role": "user", "content": [{"type": "text", "text": task}]}
         ]
         for turn in range(args.turns):
             # the last message carries the second marker, as Claude Code's does
@@ -411,7 +419,12 @@ def agent_load(server: Server, concurrency: int, args: argparse.Namespace, seed:
                     ttfts.append(ttft if ttft is not None else end)
                     latencies.append(end)
                     outputs.append(final.usage.output_tokens)
-                    records.append((i, turn, ttfts[-1], end, t0 - t_load, buckets(final.usage)))
+                    answer = {
+                        **buckets(final.usage),
+                        "output_tokens": final.usage.output_tokens,
+                        "stop_reason": final.stop_reason,
+                    }
+                    records.append((i, turn, ttfts[-1], end, t0 - t_load, answer))
             except anthropic.APIError as exc:
                 print(f"  {server.name}: session {i} failed: {exc}", file=sys.stderr)
                 with lock:
@@ -945,6 +958,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="agent: the tool's time between an answer and the next request, uniform in "
         "[0, S] seconds, the same for every server in a round (0: none, every session "
         "sends its next turn at once; identical sessions can then run in lockstep)",
+    )
+    p.add_argument(
+        "--session-block",
+        choices=("user", "system"),
+        default="user",
+        help="agent: where the per-session block goes: 'user', the first message's text "
+        "before the task (both servers render the same tokens; the default), or "
+        "'system', a second system block (runs before 2026-12-08: `vllm serve` joins "
+        "system blocks with '', Cachepoint with a blank line, so the prompts differ by "
+        "two tokens and so do the answers)",
     )
     p.add_argument("--max-tokens", type=int, default=32, help="agent: output tokens (32)")
     p.add_argument("--aiperf-conversations", type=int, default=4, help="aiperf (4)")

@@ -370,6 +370,7 @@ class _FakeStream:
 
         self.final = NS(
             content=[NS(type="text", text="done")],
+            stop_reason="end_turn",
             usage=NS(output_tokens=4, input_tokens=10, cache_read_input_tokens=100,
                      cache_creation_input_tokens=0),
         )  # fmt: skip
@@ -390,17 +391,23 @@ class _FakeStream:
 
 
 def _agent_run(
-    monkeypatch, think_s: float, seed: int
-) -> tuple[list[tuple[int, float]], sb.LoadResult]:
+    monkeypatch, think_s: float, seed: int, session_block: str = "user"
+) -> tuple[list[tuple[int, float]], sb.LoadResult, list[dict]]:
     import argparse
+    import copy
     import threading
     from types import SimpleNamespace as NS
 
     pauses: list[tuple[int, float]] = []
+    sent: list[dict] = []  # every request's keywords, as the SDK got them
+
+    def stream(**kw):
+        sent.append(copy.deepcopy(kw))
+        return _FakeStream()
 
     class Client:
         def __init__(self, **kw) -> None:
-            self.messages = NS(stream=lambda **kw: _FakeStream())
+            self.messages = NS(stream=stream)
 
     def fake_sleep(s: float) -> None:
         pauses.append((threading.get_ident(), s))
@@ -408,37 +415,57 @@ def _agent_run(
     monkeypatch.setattr(sb.anthropic, "Anthropic", Client)
     monkeypatch.setattr(sb.time, "sleep", fake_sleep)
     args = argparse.Namespace(
-        system_tokens=50, turns=3, max_tokens=4, turn_tokens=20, think_s=think_s
-    )
+        system_tokens=50, turns=3, max_tokens=4, turn_tokens=20, think_s=think_s,
+        session_block=session_block,
+    )  # fmt: skip
     res = sb.agent_load(sb.Server("cp-vllm", "http://x", "k"), 2, args, seed)
-    return pauses, res
+    return pauses, res, sent
 
 
 def test_think_time_pauses_between_turns_the_same_for_every_server(monkeypatch):
-    pauses, res = _agent_run(monkeypatch, 1.0, seed=7)
+    pauses, res, _ = _agent_run(monkeypatch, 1.0, seed=7)
     assert res.requests == 6 and res.failed == 0
     # two sessions x (3 turns - 1): no pause after a session's last answer
     assert len(pauses) == 4
     assert all(0 <= s <= 1.0 for _, s in pauses)
-    again, _ = _agent_run(monkeypatch, 1.0, seed=7)
+    again, _, _ = _agent_run(monkeypatch, 1.0, seed=7)
     assert sorted(s for _, s in again) == sorted(s for _, s in pauses)  # same round, same pauses
-    other, _ = _agent_run(monkeypatch, 1.0, seed=8)
+    other, _, _ = _agent_run(monkeypatch, 1.0, seed=8)
     assert sorted(s for _, s in other) != sorted(s for _, s in pauses)
-    none, res = _agent_run(monkeypatch, 0.0, seed=7)
+    none, res, _ = _agent_run(monkeypatch, 0.0, seed=7)
     assert none == [] and res.requests == 6
-    # the usage is kept per request for the prefill columns
-    assert res.extra["requests"][0]["cache_read_tokens"] == 100
+    # the usage is kept per request for the prefill columns, and the answer's length
+    first = res.extra["requests"][0]
+    assert first["cache_read_tokens"] == 100
+    assert first["output_tokens"] == 4 and first["stop_reason"] == "end_turn"
 
 
-def test_in_step_counts_later_turns_sent_together():
-    def q(session: int, turn: int, start: float) -> dict:
-        return {"session": session, "turn": turn, "start_s": start, "ttft_s": 1.0, "latency_s": 1.0}
+def test_the_session_block_is_one_text_block_with_the_task_so_both_servers_see_the_same_tokens(
+    monkeypatch,
+):
+    # NOTE: `vllm serve` joins system blocks with "" and Cachepoint with a blank line:
+    # a second system block would render as two different prompts.
+    def first_turn(sent: list[dict], in_system: bool) -> dict:
+        """Session 0's first request (the sessions are threads: any order)."""
+        return next(
+            kw
+            for kw in sent
+            if len(kw["messages"]) == 1
+            and (kw["system"][-1] if in_system else kw["messages"][0]["content"][0])[
+                "text"
+            ].startswith("Session 0.")
+        )
 
-    reqs = [
-        q(0, 0, 0.0), q(1, 0, 0.0), q(2, 0, 0.0),  # first turns: not counted
-        q(0, 1, 5.00), q(1, 1, 5.03), q(2, 1, 6.0),  # 0 and 1 in step, 2 apart
-        q(0, 2, 9.0), q(1, 2, 9.5), q(2, 2, 12.0),  # none
-    ]  # fmt: skip
-    r = sb.LoadResult("vllm", "agent", 3, 1, 2, 3, 4, 5, 9, extra={"round": 0, "requests": reqs})
-    assert sb.in_step([r]) == round(2 / 6, 2)
-    assert sb.in_step([sb.LoadResult("vllm", "aiperf", 3, 1, 2, 3, 4, 5, 9)]) is None
+    _, res, sent = _agent_run(monkeypatch, 0.0, seed=7)
+    assert res.failed == 0
+    first = first_turn(sent, in_system=False)
+    assert len(first["system"]) == 1 and first["system"][0]["cache_control"]
+    (block,) = first["messages"][0]["content"]
+    own, task = block["text"].split("\n\n")
+    assert task.startswith("Task: ")
+    assert block["cache_control"] == {"type": "ephemeral"}  # the last message's marker
+    # the older layout, kept to reproduce earlier runs: the same words, a second block
+    _, _, old = _agent_run(monkeypatch, 0.0, seed=7, session_block="system")
+    first_old = first_turn(old, in_system=True)
+    assert [b["text"] for b in first_old["system"]] == [first["system"][0]["text"], own]
+    assert first_old["messages"][0]["content"][0]["text"] == task
