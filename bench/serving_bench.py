@@ -865,9 +865,10 @@ IN_STEP_S = 0.05  # requests sent this close together arrive as one herd
 def in_step(rs: list[LoadResult]) -> float | None:
     """The share of later turns (turn > 0) sent within IN_STEP_S of another session's
     request in the same round: sessions in lockstep. Identical sessions with no pause
-    between turns can fall into step (a coalesced first turn ends together, and equal
-    turns keep them together); their prefills then share each step, and every one of
-    them waits for all (bench/RESULTS.md, issue 32). None without per-request starts."""
+    between turns can fall into step (their first turns wait for one prefill of the
+    shared block and end together, and equal turns keep them together); their prefills
+    then share each step, and every one of them waits for all (bench/RESULTS.md, issue
+    32). None without per-request starts."""
     hits = total = 0
     for r in rs:
         reqs = [q for q in r.extra.get("requests", []) if "start_s" in q]
