@@ -27,9 +27,9 @@ Loads, at each concurrency C:
   per-session block and a first task, one text block of the first message (so that
   both servers render the same tokens; --session-block), then per turn the previous
   answer and a --turn-tokens tool-output block carrying the second marker (the last
-  message's, as Claude Code does); --max-tokens output tokens. TTFT is to the first text delta
-  (both servers send ``message_start`` at different points), latency to the stream's
-  end, throughput is output tokens over the load's wall time. --think-s S puts the
+  message's, as Claude Code does); --max-tokens output tokens. TTFT is to the first
+  text delta (both servers send ``message_start`` at different points), latency to the
+  stream's end, throughput is output tokens over the load's wall time. --think-s S puts the
   tool's run time between an answer and the next request (uniform in [0, S], the same
   pauses for every server in a round); with none (the default) identical sessions can
   fall into lockstep, and the report's "in step" column says how many turns did;
@@ -966,7 +966,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="user",
         help="agent: where the per-session block goes: 'user', the first message's text "
         "before the task (both servers render the same tokens; the default), or "
-        "'system', a second system block (runs before 2026-12-08: `vllm serve` joins "
+        "'system', a second system block (the layout of earlier runs: `vllm serve` joins "
         "system blocks with '', Cachepoint with a blank line, so the prompts differ by "
         "two tokens and so do the answers)",
     )

@@ -469,3 +469,17 @@ def test_the_session_block_is_one_text_block_with_the_task_so_both_servers_see_t
     first_old = first_turn(old, in_system=True)
     assert [b["text"] for b in first_old["system"]] == [first["system"][0]["text"], own]
     assert first_old["messages"][0]["content"][0]["text"] == task
+
+
+def test_in_step_counts_later_turns_sent_together():
+    def q(session: int, turn: int, start: float) -> dict:
+        return {"session": session, "turn": turn, "start_s": start, "ttft_s": 1.0, "latency_s": 1.0}
+
+    reqs = [
+        q(0, 0, 0.0), q(1, 0, 0.0), q(2, 0, 0.0),  # first turns: not counted
+        q(0, 1, 5.00), q(1, 1, 5.03), q(2, 1, 6.0),  # 0 and 1 in step, 2 apart
+        q(0, 2, 9.0), q(1, 2, 9.5), q(2, 2, 12.0),  # none
+    ]  # fmt: skip
+    r = sb.LoadResult("vllm", "agent", 3, 1, 2, 3, 4, 5, 9, extra={"round": 0, "requests": reqs})
+    assert sb.in_step([r]) == round(2 / 6, 2)
+    assert sb.in_step([sb.LoadResult("vllm", "aiperf", 3, 1, 2, 3, 4, 5, 9)]) is None
