@@ -17,6 +17,7 @@ from cachepoint.gateway.db.migrate import upgrade
 from cachepoint.gateway.db.session import make_engine, make_sessionmaker
 from cachepoint.gateway.fleet.bus import event_plane
 from cachepoint.gateway.fleet.routing import DirectoryRouter, Router
+from cachepoint.gateway.fleet.upstream import ReplicaSession
 from cachepoint.gateway.observability.metrics import listen
 from cachepoint.gateway.settings import GatewaySettings
 from cachepoint.gateway.state import GatewayState
@@ -50,10 +51,14 @@ def create_app(
         upgrade(engine, wait_s=DATABASE_WAIT_S)
         timeout = httpx.Timeout(settings.upstream_timeout_s, connect=5.0)
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
-        # NOTE: this client talks only to replicas (generate, stream, stats polls), so the
-        # internal token rides on every call from one place rather than at each call site.
+        # NOTE: these clients talk only to replicas (httpx: the stats and readiness polls;
+        # ReplicaSession: generate calls), so the internal token rides on every call from
+        # one place rather than at each call site.
         token = settings.internal_token
         headers = {"authorization": f"Bearer {token.get_secret_value()}"} if token else None
+        replicas = ReplicaSession(
+            settings.upstream_timeout_s, headers, tel.provider if tel.enabled else None
+        )
         async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as http:
             if tel.enabled:
                 HTTPXClientInstrumentor().instrument_client(http, tracer_provider=tel.provider)
@@ -61,7 +66,7 @@ def create_app(
             directory = bus.directory
             chosen = router or DirectoryRouter(
                 directory,
-                http,
+                replicas,
                 policy=settings.routing_policy,
                 block_size=settings.block_size,
                 nats_up=lambda: bus.connected,
@@ -101,6 +106,7 @@ def create_app(
                 if scrape is not None:
                     scrape.close()
                 await bus.stop()
+                await replicas.aclose()
                 app.state.gateway.intake.shutdown()
                 engine.dispose()
                 if telemetry is None:

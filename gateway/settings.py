@@ -295,6 +295,15 @@ class GatewaySettings(BaseSettings):
             "beyond, a 429 before the body is read"
         ),
     )
+    intake_inline_bytes: int = Field(
+        8192,
+        ge=0,
+        le=65536,
+        description=(
+            "a body of at most this many bytes is parsed and prepared on the event loop, "
+            "not in an intake thread: its work is shorter than the thread switch; 0 = never"
+        ),
+    )
     max_json_depth: int = Field(
         64, ge=8, le=512, description="nesting of objects and arrays in a body (the body is 1)"
     )

@@ -61,7 +61,9 @@ class GatewayState:
                 s.org_count_tokens_per_minute,
             )
         )
-        self.intake = IntakePool(s.intake_workers, s.intake_org_share, s.intake_org_bytes)
+        self.intake = IntakePool(
+            s.intake_workers, s.intake_org_share, s.intake_org_bytes, s.intake_inline_bytes
+        )
         self.body_limits = BodyLimits(
             s.max_json_depth, s.max_messages, s.max_content_blocks, s.max_tools
         )

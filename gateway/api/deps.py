@@ -32,13 +32,6 @@ async def get_state(request: Request) -> GatewayState:
 StateDep = Annotated[GatewayState, Depends(get_state)]
 
 
-async def request_id(request: Request) -> str:
-    return str(request.state.request_id)
-
-
-RequestIdDep = Annotated[str, Depends(request_id)]
-
-
 async def get_caller(request: Request, state: StateDep) -> KeyContext:
     raw = request.headers.get("x-api-key")
     if raw is None:

@@ -1,7 +1,9 @@
-"""The rate-limit dependencies: admit the request against its org's and key's buckets,
-and add the API's headers to the response (Anthropic's ``anthropic-ratelimit-*`` on
-the Messages API, OpenAI's ``x-ratelimit-*`` on its endpoints; ``retry-after`` too
-when refused, with a 429)."""
+"""The rate limits as routes apply them: admit the request against its org's and key's
+buckets, and add the API's headers to the response (Anthropic's
+``anthropic-ratelimit-*`` on the Messages API, OpenAI's ``x-ratelimit-*`` on its
+endpoints; ``retry-after`` too when refused, with a 429). The generation routes call
+``admit`` and ``admit_openai`` from their one dependency (``calls.py``); count_tokens
+depends on ``admit_count``."""
 
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ from cachepoint.gateway.tenancy.ratelimit import Admission
 
 
 async def admit(request: Request, state: StateDep, ctx: MessageCallerDep) -> Admission:
-    # NOTE: async on purpose: no I/O here, and a sync dependency would cost a thread
-    # hop per request and touch the buckets from worker threads.
+    # NOTE: on the loop on purpose: no I/O here, and a worker thread would cost a hop
+    # per request and touch the buckets from several threads.
     requestlog.note_caller(ctx)
     admission = state.limiter.admit(ctx.org_id, ctx.key_id)
     extra_headers(request.scope).extend(admission.headers())
@@ -28,9 +30,6 @@ async def admit(request: Request, state: StateDep, ctx: MessageCallerDep) -> Adm
             f"(per gateway); retry after the retry-after header's seconds"
         )
     return admission
-
-
-RateLimitDep = Annotated[Admission, Depends(admit)]
 
 
 async def admit_openai(request: Request, state: StateDep, ctx: MessageCallerDep) -> Admission:
@@ -45,9 +44,6 @@ async def admit_openai(request: Request, state: StateDep, ctx: MessageCallerDep)
             "retry-after header's seconds"
         )
     return admission
-
-
-OpenAIRateLimitDep = Annotated[Admission, Depends(admit_openai)]
 
 
 async def admit_count(request: Request, state: StateDep, ctx: MessageCallerDep) -> Admission:

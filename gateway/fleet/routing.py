@@ -13,12 +13,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import httpx
 from opentelemetry.trace import Tracer
 
 from cachepoint.gateway.errors import ApiError, not_found, overloaded
 from cachepoint.gateway.fleet.directory import ReplicaDirectory
-from cachepoint.gateway.fleet.upstream import ReplicaClient
+from cachepoint.gateway.fleet.upstream import ReplicaClient, ReplicaSession
 from cachepoint.gateway.observability.metrics import GatewayMetrics
 from cachepoint.kvcore import KeySpan, hash_blocks
 from cachepoint.routing import (
@@ -95,14 +94,14 @@ class DirectoryRouter:
     def __init__(
         self,
         directory: ReplicaDirectory,
-        http: httpx.AsyncClient,
+        http: ReplicaSession | None = None,
         *,
         policy: str,
         block_size: int,
         nats_up: Callable[[], bool] = lambda: True,
     ) -> None:
         self.directory = directory
-        self.http = http
+        self.http = http or ReplicaSession()  # generate calls (fleet/upstream.py)
         self.policy: RoutingPolicy = make_policy(policy)
         self.fallback: RoutingPolicy = LeastLoadedPolicy()
         self.block_size = block_size

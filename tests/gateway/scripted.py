@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from sqlalchemy import text
@@ -26,7 +25,7 @@ from cachepoint.gateway.app import create_app
 from cachepoint.gateway.db.migrate import upgrade
 from cachepoint.gateway.db.session import make_engine, make_sessionmaker
 from cachepoint.gateway.fleet.routing import Routed
-from cachepoint.gateway.fleet.upstream import ReplicaClient
+from cachepoint.gateway.fleet.upstream import ReplicaClient, ReplicaSession
 from cachepoint.gateway.settings import GatewaySettings
 from cachepoint.gateway.tenancy.tenants import create_key, create_org
 
@@ -139,7 +138,7 @@ class StaticRouter:
 
     def pick(self, req: Any) -> Routed:
         if self.client is None:  # NOTE: made lazily, on the gateway's own event loop
-            self.client = ReplicaClient("fake", self.url, httpx.AsyncClient(timeout=30))
+            self.client = ReplicaClient("fake", self.url, ReplicaSession())
         return Routed(self.client, None)
 
     def report_failure(self, name: str) -> None:

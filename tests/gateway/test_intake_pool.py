@@ -122,3 +122,22 @@ def test_jobs_see_the_callers_context_and_raise_in_it():
         pool.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_small_body_runs_on_the_loop_and_a_larger_one_in_a_worker():
+    async def main() -> None:
+        pool = IntakePool(workers=2, org_share=1, org_bytes=2**20, inline_bytes=1024)
+        loop_thread = threading.get_ident()
+
+        def where() -> int:
+            return threading.get_ident()
+
+        assert await pool.run("org-a", where, size=1024) == loop_thread
+        assert await pool.run("org-a", where, size=1025) != loop_thread
+        assert await pool.run("org-a", where) != loop_thread  # no size: always a worker
+        with pytest.raises(ValueError, match="bad body"):  # its errors raise as before
+            await pool.run("org-a", lambda: int("bad body"), size=10)
+        assert pool._orgs == {}  # an inline job takes no slot
+        pool.shutdown()
+
+    asyncio.run(main())

@@ -4,7 +4,6 @@ is not draining; when none can, the client gets a clear Anthropic error, never a
 
 from __future__ import annotations
 
-import httpx
 import msgspec
 import pytest
 
@@ -53,7 +52,7 @@ def router(*beats: schema.Heartbeat) -> DirectoryRouter:
     d = ReplicaDirectory()
     for beat in beats:
         d.on_heartbeat(beat)
-    return DirectoryRouter(d, httpx.AsyncClient(), policy="cache_aware", block_size=16)
+    return DirectoryRouter(d, policy="cache_aware", block_size=16)
 
 
 def ask(r: DirectoryRouter, model: str, avoid: frozenset[str] = frozenset()) -> str:
@@ -174,7 +173,7 @@ def test_routed_blocks_expire_and_a_new_epoch_drops_them():
     d = ReplicaDirectory(clock=clock)
     for name in ("r0", "r1"):
         d.on_heartbeat(hb(name, "m"))
-    r = DirectoryRouter(d, httpx.AsyncClient(), policy="cache_aware", block_size=16)
+    r = DirectoryRouter(d, policy="cache_aware", block_size=16)
     first = _pick(r, _session(0))
     view = d.replicas[first].view
     clock.advance(view.routed.ttl_s + 1)
@@ -191,8 +190,6 @@ def test_while_events_are_down_load_alone_routes_and_nothing_is_recorded():
     d = ReplicaDirectory()
     for name in ("r0", "r1"):
         d.on_heartbeat(hb(name, "m"))
-    r = DirectoryRouter(
-        d, httpx.AsyncClient(), policy="cache_aware", block_size=16, nats_up=lambda: False
-    )
+    r = DirectoryRouter(d, policy="cache_aware", block_size=16, nats_up=lambda: False)
     _pick(r, _session(0))
     assert not any(st.view.routed for st in d.replicas.values())

@@ -6,7 +6,6 @@ as a 529 overloaded_error."""
 from __future__ import annotations
 
 import anthropic
-import httpx
 import pytest
 
 from cachepoint.gateway.app import create_app
@@ -26,9 +25,7 @@ def _gateway(serve, seeded_db, replicas: dict[str, tuple[str, int]]) -> tuple[st
     directory = ReplicaDirectory()
     for name, (url, queued) in replicas.items():
         directory.on_heartbeat(hb(name, RANDOM_MODEL_NAME, queued=queued, url=url))
-    router = DirectoryRouter(
-        directory, httpx.AsyncClient(timeout=30), policy="cache_aware", block_size=16
-    )
+    router = DirectoryRouter(directory, policy="cache_aware", block_size=16)
     db, keys = seeded_db
     return serve(create_app(GatewaySettings(database_url=db), router)), keys["a"]
 

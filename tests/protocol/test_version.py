@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-import httpx
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from cachepoint.gateway.errors import ApiError
-from cachepoint.gateway.fleet.upstream import ReplicaClient
+from cachepoint.gateway.fleet.upstream import ReplicaClient, ReplicaSession
 from cachepoint.protocol import (
     PROTOCOL_VERSION,
     VERSION_HEADER,
@@ -72,17 +73,23 @@ def test_a_replica_reads_the_body_of_an_old_or_current_caller(header: str | None
 def test_the_gateway_sends_its_version_and_reports_a_mismatch_clearly() -> None:
     seen: list[str | None] = []
 
-    def answer(request: httpx.Request) -> httpx.Response:
+    async def answer(request: web.Request) -> web.Response:
         seen.append(request.headers.get(VERSION_HEADER))
         message = version_mismatch(OTHER)  # as a replica of another version answers
         body = {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
-        return httpx.Response(VERSION_MISMATCH_STATUS, json=body)
+        return web.json_response(body, status=VERSION_MISMATCH_STATUS)
 
     async def call() -> None:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
-            replica = ReplicaClient("r0", "http://r0", http)
-            async with replica.stream(GenerateRequest(token_ids=[1])):
-                pass
+        app = web.Application()
+        app.router.add_post("/v1/generate", answer)
+        http = ReplicaSession()
+        async with TestServer(app) as server:
+            replica = ReplicaClient("r0", str(server.make_url("/")), http)
+            try:
+                async with replica.stream(GenerateRequest(token_ids=[1])):
+                    pass
+            finally:
+                await http.aclose()
 
     with pytest.raises(ApiError) as info:
         asyncio.run(call())

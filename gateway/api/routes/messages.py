@@ -14,6 +14,7 @@ from opentelemetry import trace
 
 from cachepoint.gateway import streaming
 from cachepoint.gateway.accounting import attribution_of, bill, charge_for
+from cachepoint.gateway.api.calls import MessagesCallDep
 from cachepoint.gateway.api.common import (
     answer,
     client_gone,
@@ -22,8 +23,8 @@ from cachepoint.gateway.api.common import (
     intake_full,
     resolved,
 )
-from cachepoint.gateway.api.deps import BetasDep, MessageCallerDep, RequestIdDep, StateDep
-from cachepoint.gateway.api.limits import CountLimitDep, RateLimitDep
+from cachepoint.gateway.api.deps import BetasDep, MessageCallerDep, StateDep
+from cachepoint.gateway.api.limits import CountLimitDep
 from cachepoint.gateway.api.openapi import request_body
 from cachepoint.gateway.billing.ledger import Attribution
 from cachepoint.gateway.contract import context_edits
@@ -127,15 +128,9 @@ def _intake_job(
 @router.post(
     "/v1/messages", response_model=MessageResponse, openapi_extra=request_body(MessagesRequest)
 )
-async def create_message(
-    request: Request,
-    state: StateDep,
-    ctx: MessageCallerDep,
-    betas: BetasDep,
-    rid: RequestIdDep,
-    _limit: RateLimitDep,
-) -> Any:
+async def create_message(request: Request, call: MessagesCallDep) -> Any:
     t_start = time.perf_counter()
+    state, ctx, rid, betas = call.state, call.ctx, call.rid, call.betas
     key = idempotency.key_from(request)
     server = trace.get_current_span()
     server.set_attributes({"cachepoint.request_id": rid, "cachepoint.org": ctx.org_id})
@@ -158,6 +153,7 @@ async def create_message(
                         rid,
                         request.headers,
                         key is not None,
+                        size=len(raw),
                     )
                     requestlog.note_request(ctx, body.model, bool(body.stream))
                     server.set_attributes(
@@ -177,6 +173,7 @@ async def create_message(
                             rid,
                             who,
                             key is not None,
+                            size=len(raw),
                         )
                     state.metrics.intake_seconds.labels("messages").observe(
                         time.perf_counter() - t0

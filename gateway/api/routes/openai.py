@@ -25,6 +25,7 @@ from opentelemetry import trace
 from cachepoint.billing import Buckets
 from cachepoint.gateway import streaming
 from cachepoint.gateway.accounting import attribution_of, bill, charge_for
+from cachepoint.gateway.api.calls import OpenAICallDep
 from cachepoint.gateway.api.common import (
     answer,
     client_gone,
@@ -33,8 +34,6 @@ from cachepoint.gateway.api.common import (
     intake_full,
     resolved,
 )
-from cachepoint.gateway.api.deps import MessageCallerDep, RequestIdDep, StateDep
-from cachepoint.gateway.api.limits import OpenAIRateLimitDep
 from cachepoint.gateway.api.openapi import request_body
 from cachepoint.gateway.billing.ledger import Attribution
 from cachepoint.gateway.contract.openai import (
@@ -142,7 +141,9 @@ async def _admitted_job(request: Request, state: GatewayState, ctx: KeyContext, 
             raw = await request.body()
             served = frozenset(state.models())
             try:
-                return await state.intake.run(ctx.org_id, job, raw, served, ctx, state, *args)
+                return await state.intake.run(
+                    ctx.org_id, job, raw, served, ctx, state, *args, size=len(raw)
+                )
             finally:
                 trim_after(len(raw))
     except IntakeFull:
@@ -152,12 +153,10 @@ async def _admitted_job(request: Request, state: GatewayState, ctx: KeyContext, 
 @router.post(CHAT_PATH, openapi_extra=request_body(ChatCompletionRequest))
 async def chat_completions(
     request: Request,
-    state: StateDep,
-    ctx: MessageCallerDep,
-    rid: RequestIdDep,
-    _limit: OpenAIRateLimitDep,
+    call: OpenAICallDep,
 ) -> Any:
     t_start = time.perf_counter()
+    state, ctx, rid = call.state, call.ctx, call.rid
     server = trace.get_current_span()
     server.set_attributes({"cachepoint.request_id": rid, "cachepoint.org": ctx.org_id})
     with state.tracer.start_as_current_span("render") as span:
@@ -272,12 +271,10 @@ def _completion_job(
 @router.post(COMPLETIONS_PATH, openapi_extra=request_body(CompletionRequest))
 async def completions(
     request: Request,
-    state: StateDep,
-    ctx: MessageCallerDep,
-    rid: RequestIdDep,
-    _limit: OpenAIRateLimitDep,
+    call: OpenAICallDep,
 ) -> Any:
     t_start = time.perf_counter()
+    state, ctx, rid = call.state, call.ctx, call.rid
     server = trace.get_current_span()
     server.set_attributes({"cachepoint.request_id": rid, "cachepoint.org": ctx.org_id})
     with state.tracer.start_as_current_span("render") as span:
