@@ -107,6 +107,11 @@ def create_app(
                     scrape.close()
                 await bus.stop()
                 await replicas.aclose()
+                # NOTE: a router handed in (tests, embedders) is the app's from then on,
+                # and its connections close with it, on the loop that opened them.
+                close = getattr(router, "aclose", None)
+                if close is not None:
+                    await close()
                 app.state.gateway.intake.shutdown()
                 engine.dispose()
                 if telemetry is None:

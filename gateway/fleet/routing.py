@@ -170,6 +170,10 @@ class DirectoryRouter:
             chosen.routed.add(hashes, now)
         return Routed(self._client(decision.replica, url), decision)
 
+    async def aclose(self) -> None:
+        """Close the connections to replicas (the app does, when it stops)."""
+        await self.http.aclose()
+
     def report_failure(self, name: str) -> None:
         self.directory.mark_down(name)
         self.affinity.forget(name)

@@ -42,6 +42,10 @@ _STATUS = {
 
 CONNECT_TIMEOUT_S = 5.0  # a replica that does not accept in this long is unreachable
 MAX_CONNECTIONS = 512  # to all replicas together
+# NOTE: below the replica's keep-alive (uvicorn's 5 s), so the gateway drops an idle
+# connection before the replica does: a POST sent on one the replica is closing fails
+# (aiohttp retries only idempotent methods) and would count as the replica being down.
+KEEPALIVE_S = 4.0
 
 
 class ReplicaSession:
@@ -74,7 +78,9 @@ class ReplicaSession:
             provider = self.tracer_provider
             self._session = aiohttp.ClientSession(
                 timeout=timeout,
-                connector=aiohttp.TCPConnector(limit=MAX_CONNECTIONS, limit_per_host=0),
+                connector=aiohttp.TCPConnector(
+                    limit=MAX_CONNECTIONS, limit_per_host=0, keepalive_timeout=KEEPALIVE_S
+                ),
                 headers=self.headers,
                 trace_configs=[create_trace_config(tracer_provider=provider)] if provider else None,
                 auto_decompress=False,  # replicas never compress: nothing to sniff

@@ -144,6 +144,10 @@ class StaticRouter:
     def report_failure(self, name: str) -> None:
         self.failures.append(name)
 
+    async def aclose(self) -> None:
+        if self.client is not None:
+            await self.client.http.aclose()
+
     def freshness_s(self, name: str) -> float | None:
         return None
 
