@@ -106,12 +106,9 @@ def create_app(
                 if scrape is not None:
                     scrape.close()
                 await bus.stop()
-                await replicas.aclose()
-                # NOTE: a router handed in (tests, embedders) is the app's from then on,
-                # and its connections close with it, on the loop that opened them.
-                close = getattr(router, "aclose", None)
-                if close is not None:
-                    await close()
+                # NOTE: a router handed in (tests, embedders) is the app's from then on:
+                # its connections close with the app, on the loop that opened them.
+                await chosen.aclose()
                 app.state.gateway.intake.shutdown()
                 engine.dispose()
                 if telemetry is None:

@@ -66,6 +66,9 @@ class Router(Protocol):
         """The tier ``name`` last held the block of ``req`` holding ``token`` in, when
         its events say it was removed from every tier (None if unknown)."""
 
+    async def aclose(self) -> None:
+        """Close its connections to replicas (the app does, when it stops)."""
+
 
 def decide(router: Router, req: RouteRequest, *, tracer: Tracer, metrics: GatewayMetrics) -> Routed:
     """``router``'s choice for ``req``, in a ``route`` span and counted by outcome; its
